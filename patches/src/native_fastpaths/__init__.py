@@ -1,0 +1,6 @@
+"""Pure-PyTorch fast paths injected into the vendor vLLM and the model adapter.
+
+Every module here imports torch lazily inside functions or at module level only; nothing
+is imported at image build time, so a builder without a GPU never loads GPU code.
+Each path is switched by an environment variable read at call time (see switches.py).
+"""

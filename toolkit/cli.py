@@ -1,0 +1,197 @@
+"""The `toolkit` command: one small function per verb, each returning an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from toolkit import __version__
+from toolkit.engine import Engine, commit, make_lock
+from toolkit.errors import EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
+from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
+from toolkit.report import emit
+from toolkit.results import Report, State
+from toolkit.sources import Root, reference_root, rootfs_roots
+from toolkit.verify import verify_tree
+
+EPILOG = """\
+exit codes:
+  0  every transform APPLIED, ALREADY_APPLIED, SUPERSEDED or GATED_OFF (verify: no findings)
+  1  a transform DRIFTED, or verify found a problem; nothing was written
+  2  bad recipe, bad arguments, missing files
+  3  input drift: the vendor roots differ from each other, from the lock, or from vendor.version
+  4  --strict only: a transform is SUPERSEDED (the patch may be removable)
+
+examples:
+  toolkit apply recipes/bi100-qwen36.yaml --rootfs /            # inside the image
+  toolkit apply recipes/bi100-qwen36.yaml --rootfs ./rootfs --json
+  toolkit diff recipes/bi100-qwen36.yaml --reference --stat      # against vllm==0.6.3.post1 from PyPI
+  toolkit verify recipes/bi100-qwen36.yaml --rootfs ./rootfs
+"""
+
+
+def _roots(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[list[Root], Path | None]:
+    if getattr(args, "reference", None):
+        spec = loaded.recipe.vendor.reference if args.reference is True else args.reference
+        base = loaded.recipe.base_image
+        return [reference_root(spec, base.python, base.platform)], None
+    if not args.rootfs:
+        raise ToolkitError("no vendor tree given", hint="pass --rootfs DIR (a folder laid out like the image)")
+    rootfs = Path(args.rootfs)
+    return rootfs_roots(loaded.recipe, rootfs), rootfs
+
+
+def _read_lock(path: str | None) -> dict[str, object] | None:
+    if path is None:
+        return None
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ToolkitError(f"lock file {path} not found",
+                           hint="create it with `toolkit apply --write-lock FILE`") from None
+    except json.JSONDecodeError as exc:
+        raise ToolkitError(f"{path}:{exc.lineno}: lock file is not JSON ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ToolkitError(f"{path}: a lock is a JSON object")
+    return data
+
+
+def _exit(report: Report, strict: bool = False) -> int:
+    if not report.ok:
+        return EXIT_FAILED
+    if strict and report.count(State.SUPERSEDED):
+        return EXIT_SUPERSEDED
+    return EXIT_OK
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    loaded = load_recipe(args.recipe)
+    roots, rootfs = _roots(loaded, args)
+    engine = Engine(loaded, roots, rootfs, lock=_read_lock(args.check_lock))
+    plan = engine.run()
+    written: list[str] = []
+    if plan.ok and not args.dry_run:
+        commit(plan.ops)
+        written = [str(op.path) for op in plan.ops]
+    if plan.ok and args.write_lock:
+        lock = make_lock(plan, loaded.recipe.name, loaded.recipe.vendor.package)
+        Path(args.write_lock).write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    notes = [f"{label}: {loaded.recipe.vendor.package} {v}" for label, v in plan.versions.items()]
+    if not plan.ok:
+        notes.append("nothing was written: fix the DRIFTED transforms (or the vendor tree) and run again")
+    elif args.dry_run:
+        notes.append(f"dry run: {len(plan.ops)} write(s) planned, none made")
+    else:
+        notes.append(f"{len(written)} path(s) written")
+    report = Report("apply", str(loaded.path), tuple(plan.results), notes=tuple(notes),
+                    extra={"written": written, "dry_run": bool(args.dry_run)})
+    emit(report, as_json=args.json)
+    return _exit(report, args.strict)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    loaded = load_recipe(args.recipe)
+    roots, rootfs = _roots(loaded, args)
+    engine = Engine(loaded, roots, rootfs, check_version=not args.reference)
+    plan = engine.run()
+    first = roots[0].label
+    steps = [s for s in plan.steps if s.root in (first, "/")]
+    if args.json:
+        report = Report("diff", str(loaded.path), tuple(plan.results), extra={
+            "diffs": [{"transform": s.transform, "file": s.file, "root": s.root, "diff": s.unified()} for s in steps]})
+        emit(report, as_json=True)
+        return _exit(report)
+    out = sys.stdout
+    for step in steps:
+        text = step.unified()
+        if args.stat:
+            added = sum(1 for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+            removed = sum(1 for ln in text.splitlines() if ln.startswith("-") and not ln.startswith("---"))
+            out.write(f"{step.transform:40} {step.file:55} +{added} -{removed}\n")
+        else:
+            out.write(f"# transform {step.transform} ({step.root})\n{text}")
+    report = Report("diff", str(loaded.path), tuple(plan.results),
+                    notes=(f"diff against {first}; other roots hold identical files",))
+    if args.stat or not steps:
+        emit(report, as_json=False)
+    return _exit(report)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    loaded = load_recipe(args.recipe)
+    roots, rootfs = _roots(loaded, args)
+    report = verify_tree(loaded, roots, rootfs)
+    emit(report, as_json=args.json)
+    return _exit(report)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    text = json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="toolkit",
+        description="Apply, diff and verify a recipe's structural patches to a vendor vLLM tree.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"toolkit {__version__}")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    def tree_args(p: argparse.ArgumentParser, reference: bool) -> None:
+        p.add_argument("recipe", help="the recipe YAML, e.g. recipes/bi100-qwen36.yaml")
+        p.add_argument("--rootfs", metavar="DIR", help="a folder laid out like the image filesystem (/ inside it)")
+        if reference:
+            p.add_argument("--reference", nargs="?", const=True, metavar="NAME==VERSION",
+                           help="use a public release fetched by pip (default: the recipe's vendor.reference)")
+        p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    p = sub.add_parser("apply", help="apply every transform to every vendor root (all or nothing)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tree_args(p, reference=False)
+    p.add_argument("--dry-run", action="store_true", help="plan and report, write nothing")
+    p.add_argument("--strict", action="store_true", help="exit 4 when a transform is SUPERSEDED")
+    p.add_argument("--check-lock", metavar="FILE", help="refuse inputs whose pristine sha256 differ from this lock")
+    p.add_argument("--write-lock", metavar="FILE", help="write the lock (vendor version + pristine sha256)")
+    p.set_defaults(func=cmd_apply)
+
+    p = sub.add_parser("diff", help="show what apply would change, one unified diff per transform")
+    tree_args(p, reference=True)
+    p.add_argument("--stat", action="store_true", help="one line per transform and the state table")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("verify", help="check markers, post-states, compilation and line endings in every root")
+    tree_args(p, reference=False)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("schema", help="print the recipe JSON Schema (for editors)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")
+    p.set_defaults(func=cmd_schema)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ToolkitError as exc:
+        if getattr(args, "json", False):
+            sys.stdout.write(json.dumps({"ok": False, "error": exc.message, "fix": exc.hint,
+                                         "exit_code": exc.exit_code}, indent=2) + "\n")
+        print(f"toolkit {args.verb}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("toolkit: interrupted; nothing half-written was left (writes are all-or-nothing)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,554 @@
+"""The recipe: pydantic models, loaded from YAML with file:line errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import keyword
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
+
+import libcst as cst
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from toolkit.errors import RecipeError
+from toolkit.yamlpos import Located, YamlLoadError, load
+
+ID_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
+ENV_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _python_expression(value: str) -> str:
+    try:
+        cst.parse_expression(value)
+    except cst.ParserSyntaxError as exc:
+        raise ValueError(f"not a Python expression: {value!r} ({exc.message})") from None
+    return value
+
+
+def _dotted(value: str) -> str:
+    if value and not all(part.isidentifier() and not keyword.iskeyword(part) for part in value.split(".")):
+        raise ValueError(f"not a dotted Python name: {value!r}")
+    return value
+
+
+def _relative_path(value: str) -> str:
+    path = PurePosixPath(value)
+    if path.is_absolute() or ".." in path.parts or "\\" in value or not value:
+        raise ValueError(f"must be a relative POSIX path inside the tree, got {value!r}")
+    return value
+
+
+PyExpr = Annotated[str, Field(description="A Python expression, compared structurally (formatting-independent)")]
+DottedName = Annotated[str, Field(description="A dotted Python name")]
+
+
+class Hardware(Strict):
+    vendor: str = Field(description="GPU vendor, e.g. iluvatar")
+    accelerator: str = Field(description="Accelerator model, e.g. BI-V100")
+    count: int = Field(ge=1, description="Accelerators per server")
+    memory_gb: float = Field(gt=0, description="Memory per accelerator in GB")
+
+
+class BaseImage(Strict):
+    reference: str = Field(min_length=1, description="The vendor image the submission builds FROM")
+    python: str = Field(pattern=r"^3\.\d+$", description="Python version inside the image, e.g. 3.10")
+    platform: str = Field(default="manylinux1_x86_64", description="Wheel platform tag of the image")
+
+
+class Vendor(Strict):
+    package: str = Field(default="vllm", description="The vendor-patched package")
+    version: str = Field(description="Version specifier the vendor roots must satisfy, e.g. ==0.6.3+corex.3.2.3")
+    roots: list[str] = Field(min_length=1, description="Absolute site-packages folders inside the image")
+    reference: str = Field(
+        description="The public release (name==version) used to check transforms off-image, e.g. vllm==0.6.3.post1"
+    )
+
+    @field_validator("version")
+    @classmethod
+    def _spec(cls, value: str) -> str:
+        try:
+            SpecifierSet(value)
+        except InvalidSpecifier:
+            raise ValueError(f"not a version specifier: {value!r} (example: ==0.6.3+corex.3.2.3)") from None
+        return value
+
+    @field_validator("roots")
+    @classmethod
+    def _absolute(cls, roots: list[str]) -> list[str]:
+        for root in roots:
+            if not root.startswith("/"):
+                raise ValueError(f"vendor roots are absolute paths inside the image, got {root!r}")
+        if len(set(roots)) != len(roots):
+            raise ValueError("vendor roots are listed twice")
+        return roots
+
+    @field_validator("reference")
+    @classmethod
+    def _pinned(cls, value: str) -> str:
+        name, sep, version = value.partition("==")
+        if not sep or not name or not version:
+            raise ValueError(f"reference must be pinned as name==version, got {value!r}")
+        try:
+            Version(version)
+        except InvalidVersion:
+            raise ValueError(f"not a version: {version!r}") from None
+        return value
+
+    @property
+    def reference_name(self) -> str:
+        return self.reference.partition("==")[0]
+
+    @property
+    def reference_version(self) -> str:
+        return self.reference.partition("==")[2]
+
+
+class Gate(Strict):
+    vendor_version: str | None = Field(
+        default=None, description="Apply only when the root's vendor version matches this specifier"
+    )
+
+    @field_validator("vendor_version")
+    @classmethod
+    def _spec(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                SpecifierSet(value)
+            except InvalidSpecifier:
+                raise ValueError(f"not a version specifier: {value!r}") from None
+        return value
+
+
+class TransformBase(Strict):
+    kind: str
+    id: str = Field(pattern=ID_PATTERN, description="Unique id; it is also the marker name")
+    why: str = Field(min_length=1, description="Provenance: why this change is needed")
+    remove_when: str = Field(min_length=1, description="Provenance: when this change can be dropped")
+    gate: Gate | None = Field(default=None, description="Conditions that exclude this transform (GATED_OFF)")
+
+    # Fields that do not change what the transform does; a change to them must not make markers stale.
+    _provenance_fields: typing.ClassVar[frozenset[str]] = frozenset({"why", "remove_when"})
+
+    @property
+    def target_label(self) -> str:
+        """What the transform changes, as shown in reports."""
+        return str(getattr(self, "file", None) or getattr(self, "dest", None) or getattr(self, "link", ""))
+
+    def digest(self) -> str:
+        body = self.model_dump(mode="json", exclude=set(self._provenance_fields))
+        raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(raw).hexdigest()[:12]
+
+
+class SourceTransform(TransformBase):
+    file: str = Field(description="Module path relative to the vendor root, e.g. vllm/engine/arg_utils.py")
+    scope: str = Field(default="", description="Dotted scope inside the module, e.g. EngineArgs.create_model_config")
+    expect: int = Field(default=1, ge=1, description="How many sites must match (the match contract)")
+
+    @field_validator("file")
+    @classmethod
+    def _py_file(cls, value: str) -> str:
+        _relative_path(value)
+        if not value.endswith(".py"):
+            raise ValueError(f"source transforms edit .py files, got {value!r}")
+        return value
+
+    @field_validator("scope")
+    @classmethod
+    def _scope(cls, value: str) -> str:
+        return _dotted(value)
+
+
+class SetKwarg(SourceTransform):
+    """Set a keyword argument of a call inside a scope (un-hardcode a literal)."""
+
+    kind: Literal["set-kwarg"]
+    call: DottedName = Field(description="The callee as written, e.g. ModelConfig or torch.ops.foo")
+    arg: str = Field(description="The keyword argument name")
+    old: PyExpr | None = Field(default=None, description="The value it must have now (any value when omitted)")
+    new: PyExpr = Field(description="The value to set")
+
+    _c = field_validator("call")(classmethod(lambda cls, v: _dotted(v)))
+    _e = field_validator("old", "new")(classmethod(lambda cls, v: v if v is None else _python_expression(v)))
+
+
+class Assign(SourceTransform):
+    """Replace or remove a plain assignment `target = old` inside a scope."""
+
+    kind: Literal["assign"]
+    target: str = Field(description="The assigned name")
+    old: PyExpr | None = Field(default=None, description="The value assigned now (any value when omitted)")
+    new: PyExpr | None = Field(default=None, description="The new value; omit to remove the statement")
+
+    _e = field_validator("old", "new")(classmethod(lambda cls, v: v if v is None else _python_expression(v)))
+
+    @model_validator(mode="after")
+    def _remove_needs_old(self) -> Assign:
+        if self.new is None and self.old is None:
+            raise ValueError("removing an assignment needs `old` so that only the intended statement goes")
+        return self
+
+
+class DictEntries(SourceTransform):
+    """Insert entries into a dict literal bound to a name."""
+
+    kind: Literal["dict-entries"]
+    name: str = Field(description="The name the dict literal is assigned to")
+    entries: dict[str, PyExpr] = Field(min_length=1, description="String key -> value expression")
+    after: str | None = Field(default=None, description="Insert after this existing key (default: at the end)")
+
+    @field_validator("entries")
+    @classmethod
+    def _values(cls, entries: dict[str, str]) -> dict[str, str]:
+        for value in entries.values():
+            _python_expression(value)
+        return entries
+
+
+class Dispatch(SourceTransform):
+    """Insert `if <switch on> [and <when>]: return injected(...)` at the top of a function."""
+
+    kind: Literal["dispatch"]
+    switch: str = Field(pattern=ENV_PATTERN, description="Environment variable that turns the fast path on")
+    default: Literal["0", "1"] = Field(default="1", description="Value of the switch when it is unset")
+    target: str = Field(description="The injected callable, as module.path:function")
+    args: list[PyExpr] | None = Field(
+        default=None, description="Arguments passed to it (default: the function's own parameters, in order)"
+    )
+    when: PyExpr | None = Field(default=None, description="An extra condition, evaluated inside the function")
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, value: str) -> str:
+        module, sep, func = value.partition(":")
+        if not sep or not func.isidentifier():
+            raise ValueError(f"target must be module.path:function, got {value!r}")
+        _dotted(module)
+        return value
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, args: list[str] | None) -> list[str] | None:
+        for arg in args or []:
+            _python_expression(arg)
+        return args
+
+    @field_validator("when")
+    @classmethod
+    def _when(cls, value: str | None) -> str | None:
+        return value if value is None else _python_expression(value)
+
+
+class AddImport(SourceTransform):
+    """Add `import module` or `from module import names` after the module's imports."""
+
+    kind: Literal["add-import"]
+    module: DottedName
+    names: list[str] = Field(default_factory=list, description="Names to import from the module (empty: import it)")
+
+    _m = field_validator("module")(classmethod(lambda cls, v: _dotted(v)))
+
+    @model_validator(mode="after")
+    def _module_scope(self) -> AddImport:
+        if self.scope:
+            raise ValueError("add-import works at module level; leave `scope` empty")
+        return self
+
+
+class ReplaceBody(SourceTransform):
+    """Replace a function body with the body of a function in patches/src."""
+
+    kind: Literal["replace-body"]
+    source: str = Field(description="path/in/patches.py:qualified.function whose body is used")
+    old_digest: str | None = Field(
+        default=None, description="sha256 prefix of the body being replaced (toolkit diff prints it)"
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        path, sep, qualname = value.partition(":")
+        if not sep:
+            raise ValueError(f"source must be path.py:function, got {value!r}")
+        _relative_path(path)
+        _dotted(qualname)
+        return value
+
+
+class Deploy(TransformBase):
+    """Copy a file or folder from patches/src into a vendor root (relative dest) or the image (absolute dest)."""
+
+    kind: Literal["deploy"]
+    source: str = Field(description="Path relative to the recipe's patches folder")
+    dest: str = Field(description="Relative: inside every vendor root; absolute: inside the image filesystem")
+    overwrite: bool = Field(default=False, description="Allow replacing a file that exists with other content")
+
+    _s = field_validator("source")(classmethod(lambda cls, v: _relative_path(v)))
+
+    @field_validator("dest")
+    @classmethod
+    def _dest(cls, value: str) -> str:
+        if value.startswith("/"):
+            _relative_path(value.lstrip("/"))
+        else:
+            _relative_path(value)
+        return value
+
+
+class Symlink(TransformBase):
+    """Create a symlink; the target may be a glob, resolved beside the link (exactly `expect` matches)."""
+
+    kind: Literal["symlink"]
+    link: str = Field(description="Absolute: in the image filesystem; relative: in every vendor root")
+    target: str = Field(description="What the link points to; a glob (*, ?) is resolved in the link's folder")
+    expect: int = Field(default=1, ge=1, le=1, description="How many files the glob must match")
+
+    @property
+    def is_glob(self) -> bool:
+        return any(ch in self.target for ch in "*?[")
+
+
+Transform = Annotated[
+    SetKwarg | Assign | DictEntries | Dispatch | AddImport | ReplaceBody | Deploy | Symlink,
+    Field(discriminator="kind"),
+]
+TRANSFORM_MODELS: dict[str, type[TransformBase]] = {
+    typing.get_args(m.model_fields["kind"].annotation)[0]: m
+    for m in (SetKwarg, Assign, DictEntries, Dispatch, AddImport, ReplaceBody, Deploy, Symlink)
+}
+
+ArgValue = str | int | float | bool | list[str] | None
+
+
+class Serve(Strict):
+    module: DottedName = Field(default="vllm.entrypoints.openai.api_server", description="python3 -m MODULE")
+    workdir: str = Field(default="/workspace", description="Neutral working directory (no vllm/ folder in it)")
+    concurrency: int = Field(default=1, ge=1, description="The platform's concurrency setting")
+    args: dict[str, ArgValue] = Field(
+        default_factory=dict,
+        description="Server flags without leading dashes; true = bare flag, false/null = omitted",
+    )
+    workload: dict[str, int] = Field(
+        default_factory=dict, description="What the evaluation needs, e.g. min_context_tokens: 235000"
+    )
+
+
+class Checks(Strict):
+    lf_only: list[str] = Field(
+        default_factory=list, description="Globs (relative to each vendor root) of files that must be LF-only"
+    )
+
+
+class Recipe(Strict):
+    name: str = Field(pattern=ID_PATTERN)
+    description: str = ""
+    hardware: Hardware
+    base_image: BaseImage
+    vendor: Vendor
+    patches: str = Field(default="../patches/src", description="The patches folder, relative to the recipe file")
+    transforms: list[Transform] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of the server")
+    serve: Serve
+    checks: Checks = Field(default_factory=Checks)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        import re
+
+        for name in env:
+            if not re.match(ENV_PATTERN, name):
+                raise ValueError(f"not an environment variable name: {name!r}")
+        return env
+
+
+@dataclass(frozen=True)
+class LoadedRecipe:
+    """A validated recipe plus where it came from (for file:line messages and relative paths)."""
+
+    recipe: Recipe
+    path: Path
+    located: Located
+
+    @property
+    def patches_dir(self) -> Path:
+        return (self.path.parent / self.recipe.patches).resolve()
+
+    def line_of(self, *loc: str | int) -> int | None:
+        mark = self.located.mark_for(loc)
+        return mark.line if mark else None
+
+    def transform_line(self, index: int) -> int | None:
+        return self.line_of("transforms", index)
+
+    def where(self, index: int) -> str:
+        line = self.transform_line(index)
+        return f"{self.path}:{line}" if line else str(self.path)
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The model classes an annotation can hold (through Optional, list, dict, Annotated)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType, list, dict):
+        out: list[Any] = []
+        for arg in typing.get_args(annotation):
+            out.extend(_unwrap(arg))
+        return out
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return []
+
+
+def _strip(annotation: Any) -> Any:
+    """Drop Annotated and Optional around an annotation."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return _strip(args[0])
+    return annotation
+
+
+def _pick_model(annotation: Any, node: Any) -> type[BaseModel] | None:
+    models: list[type[BaseModel]] = _unwrap(annotation)
+    if len(models) == 1:
+        return models[0]
+    if isinstance(node, dict) and node.get("kind") in TRANSFORM_MODELS:
+        return TRANSFORM_MODELS[node["kind"]]  # the discriminated union: the YAML's own kind decides
+    return None
+
+
+def _model_at(data: Any, loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The model class that owns the mapping at a (cleaned) data location."""
+    annotation: Any = Recipe
+    node = data
+    for part in loc:
+        model = _pick_model(annotation, node)
+        if model is not None and isinstance(part, str) and part in model.model_fields:
+            annotation = model.model_fields[part].annotation
+        else:  # a list index or a free dict key: step into the container's item type
+            args = typing.get_args(_strip(annotation))
+            annotation = args[-1] if args else None
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            node = None
+    return _pick_model(annotation, node)
+
+
+def _clean_loc(data: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    """Drop pydantic's synthetic parts (union tags, function-after names) from a location."""
+    out: list[str | int] = []
+    node = data
+    for i, part in enumerate(loc):
+        last = i == len(loc) - 1
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if (isinstance(node, dict) and part in node) or in_list:
+            out.append(part)
+            node = node[part]
+        elif last and isinstance(node, dict) and isinstance(part, str) and not part.startswith("function-"):
+            out.append(part)  # a missing field
+        # else: a tag such as 'set-kwarg' or '[key]' that is not in the data
+    return tuple(out)
+
+
+def _format_error(source: str, located: Located, err: Any) -> RecipeError:
+    loc = _clean_loc(located.data, tuple(err["loc"]))
+    mark = located.mark_for(loc)
+    key = ".".join(str(p) for p in loc) or None
+    kind = err["type"]
+    message = err["msg"].removeprefix("Value error, ")
+    hint: str | None = None
+    if kind == "extra_forbidden":
+        owner = _model_at(located.data, loc[:-1])
+        valid = sorted(owner.model_fields) if owner else []
+        message = f"unknown key {loc[-1]!r}"
+        hint = f"valid keys here: {', '.join(valid)}" if valid else None
+    elif kind == "missing":
+        parent = located.mark_for(loc[:-1])
+        mark = parent
+        message = f"missing required key {loc[-1]!r}"
+    elif kind == "union_tag_not_found":
+        message = f"missing `kind`; known kinds: {', '.join(sorted(TRANSFORM_MODELS))}"
+    elif kind == "union_tag_invalid":
+        loc = (*loc, "kind")
+        mark = located.mark_for(loc)
+        key = ".".join(str(p) for p in loc)
+        message = f"unknown kind {err['ctx']['tag']!r}"
+        hint = f"known kinds: {', '.join(sorted(TRANSFORM_MODELS))}"
+    elif "input" in err and isinstance(err["input"], str | int | float | bool):
+        message = f"{message} (got {err['input']!r})"
+    return RecipeError(
+        source, mark.line if mark else None, mark.column if mark else None, message, key=key, hint=hint
+    )
+
+
+def parse_recipe(text: str, source: str = "<recipe>") -> tuple[Recipe, Located]:
+    try:
+        located = load(text)
+    except YamlLoadError as exc:
+        raise RecipeError(
+            source, exc.mark.line if exc.mark else None, exc.mark.column if exc.mark else None, exc.message
+        ) from None
+    if not isinstance(located.data, dict):
+        raise RecipeError(source, 1, 1, "a recipe is a YAML mapping at the top level")
+    try:
+        recipe = Recipe.model_validate(located.data)
+    except ValidationError as exc:
+        errors = [_format_error(source, located, e) for e in exc.errors()]
+        if len(errors) > 1:
+            combined = errors[0]
+            combined.message = f"{source}: {len(errors)} problems:\n" + "\n".join(f"  {e}" for e in errors)
+            combined.hint = None
+            raise combined from None
+        raise errors[0] from None
+    seen: dict[str, int] = {}
+    for index, transform in enumerate(recipe.transforms):
+        if transform.id in seen:
+            mark = located.mark_for(("transforms", index, "id"))
+            raise RecipeError(
+                source,
+                mark.line if mark else None,
+                mark.column if mark else None,
+                f"duplicate transform id {transform.id!r} (first used by transform #{seen[transform.id] + 1})",
+                key=f"transforms.{index}.id",
+                hint="give every transform its own id: the id is also its marker in patched files",
+            )
+        seen[transform.id] = index
+    return recipe, located
+
+
+def load_recipe(path: str | Path) -> LoadedRecipe:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise RecipeError(str(path), None, None, "recipe file not found") from None
+    except OSError as exc:
+        raise RecipeError(str(path), None, None, f"cannot read recipe: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(str(path), None, None, f"recipe is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    recipe, located = parse_recipe(text, str(path))
+    return LoadedRecipe(recipe, path.resolve(), located)
+
+
+def json_schema() -> dict[str, Any]:
+    schema = Recipe.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "toolkit recipe"
+    return schema

@@ -1,0 +1,79 @@
+"""Results as data: every verb returns a Report, one reporter prints it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class State(str, enum.Enum):
+    APPLIED = "APPLIED"
+    ALREADY_APPLIED = "ALREADY_APPLIED"
+    SUPERSEDED = "SUPERSEDED"
+    DRIFTED = "DRIFTED"
+    GATED_OFF = "GATED_OFF"
+
+    @property
+    def ok(self) -> bool:
+        return self is not State.DRIFTED
+
+
+@dataclass(frozen=True)
+class Result:
+    """The state of one transform in one root."""
+
+    transform: str
+    kind: str
+    root: str
+    file: str
+    state: State
+    message: str
+    recipe_line: int | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = self.state.value
+        return data
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A verify check that failed (line endings, compile, payload...)."""
+
+    check: str
+    root: str
+    file: str
+    message: str
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Report:
+    verb: str
+    recipe: str
+    results: tuple[Result, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    notes: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.state.ok for r in self.results) and not self.findings
+
+    def count(self, state: State) -> int:
+        return sum(1 for r in self.results if r.state is state)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "verb": self.verb,
+            "recipe": self.recipe,
+            "ok": self.ok,
+            "summary": {s.value: self.count(s) for s in State},
+            "results": [r.as_json() for r in self.results],
+            "findings": [f.as_json() for f in self.findings],
+            "notes": list(self.notes),
+            **self.extra,
+        }

@@ -1,0 +1,66 @@
+"""assign: replace or remove a plain `target = value` statement inside a scope."""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from toolkit.recipe import Assign
+from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_scope
+
+
+class AssignKind:
+    def __init__(self, spec: Assign, ctx: Context) -> None:
+        self.spec = spec
+
+    def _expected(self) -> str:
+        s = self.spec
+        old = s.old if s.old is not None else "<any>"
+        return f"`{s.target} = {old}` -> " + ("removed" if s.new is None else f"`{s.target} = {s.new}`")
+
+    def _sites(self, scope: cst.CSTNode) -> list[tuple[cst.SimpleStatementLine, cst.Assign]]:
+        sites = []
+        for node in walk_scope(scope):
+            if isinstance(node, cst.SimpleStatementLine) and len(node.body) == 1:
+                stmt = node.body[0]
+                if (
+                    isinstance(stmt, cst.Assign)
+                    and len(stmt.targets) == 1
+                    and isinstance(stmt.targets[0].target, cst.Name)
+                    and stmt.targets[0].target.value == self.spec.target
+                ):
+                    sites.append((node, stmt))
+        return sites
+
+    def _is_pre(self, stmt: cst.Assign) -> bool:
+        if self.spec.old is not None:
+            return same_expr(stmt.value, self.spec.old)
+        return self.spec.new is not None and not same_expr(stmt.value, self.spec.new)
+
+    def probe(self, module: cst.Module) -> Probe:
+        scope = scope_or_none(module, self.spec)
+        if scope is None:
+            return missing_scope(module, self.spec, self._expected())
+        sites = self._sites(scope)
+        pre = sum(1 for _, s in sites if self._is_pre(s))
+        if self.spec.new is None:
+            # a removal's post-state is the absence of the old statement in a scope that still exists
+            post = self.spec.expect if pre == 0 else 0
+        else:
+            post = sum(1 for _, s in sites if same_expr(s.value, self.spec.new))
+        shown = "; ".join(f"`{self.spec.target} = {code_of(s.value).strip()}`" for _, s in sites)
+        return Probe(pre, post, shown or f"no assignment to {self.spec.target}", self._expected())
+
+    def rewrite(self, module: cst.Module) -> cst.Module:
+        scope = scope_or_none(module, self.spec)
+        assert scope is not None
+        targets = {}
+        for line, stmt in self._sites(scope):
+            if not self._is_pre(stmt):
+                continue
+            if self.spec.new is None:
+                targets[id(line)] = lambda n: cst.RemoveFromParent()
+            else:
+                value = cst.parse_expression(self.spec.new)
+                targets[id(stmt)] = lambda n, v=value: n.with_changes(value=v)  # type: ignore[misc]
+        return replace_nodes(module, targets)  # type: ignore[arg-type]

@@ -1,0 +1,85 @@
+"""deploy: copy a file or a folder from the patches folder into each vendor root or the image."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from toolkit.errors import ToolkitError
+from toolkit.recipe import Deploy
+from toolkit.results import State
+from toolkit.transforms.files import FileOp, FilePlan, under
+
+SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
+
+
+def source_files(source: Path) -> dict[str, Path]:
+    """Relative path -> file, for a file or a folder (bytecode caches left out)."""
+    if source.is_file():
+        return {"": source}
+    out = {}
+    for path in sorted(source.rglob("*")):
+        rel = path.relative_to(source)
+        if path.is_file() and not SKIP_PARTS.intersection(rel.parts) and path.suffix != ".pyc":
+            out[rel.as_posix()] = path
+    return out
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class DeployKind:
+    def __init__(self, spec: Deploy, patches_dir: Path) -> None:
+        self.spec = spec
+        self.source = patches_dir / spec.source
+        if not self.source.exists():
+            raise ToolkitError(
+                f"transform {spec.id}: deploy source {self.source} not found",
+                hint="fix `source` (relative to the recipe's patches folder) or add the file",
+            )
+        self.files = source_files(self.source)
+        if not self.files:
+            raise ToolkitError(f"transform {spec.id}: deploy source {self.source} holds no files")
+
+    @property
+    def rootfs_level(self) -> bool:
+        return self.spec.dest.startswith("/")
+
+    def targets(self, base: Path) -> dict[str, tuple[Path, Path]]:
+        """Destination path relative to base -> (destination, source)."""
+        dest = under(base, self.spec.dest)
+        out = {}
+        for rel, src in self.files.items():
+            target = dest / rel if rel else dest
+            out[target.relative_to(base).as_posix()] = (target, src)
+        return out
+
+    def plan(self, base: Path, owned: dict[str, str]) -> FilePlan:
+        ops: list[FileOp] = []
+        conflicts: list[str] = []
+        placed: list[tuple[str, str]] = []
+        for rel, (target, src) in self.targets(base).items():
+            data = src.read_bytes()
+            placed.append((rel, sha256(data)))
+            mode = 0o755 if src.stat().st_mode & 0o111 else 0o644
+            if target.is_symlink() or (target.exists() and not target.is_file()):
+                conflicts.append(f"{rel} exists and is not a regular file")
+                continue
+            if target.is_file():
+                current = target.read_bytes()
+                if current == data:
+                    continue
+                ours = owned.get(rel) == sha256(current)
+                if not (ours or self.spec.overwrite):
+                    conflicts.append(f"{rel} exists with other content (sha256 {sha256(current)[:12]})")
+                    continue
+            ops.append(FileOp(target, content=data, mode=mode))
+        if conflicts:
+            return FilePlan(
+                State.DRIFTED,
+                "; ".join(conflicts) + ": set `overwrite: true` if replacing the vendor file is intended",
+            )
+        if not ops:
+            return FilePlan(State.ALREADY_APPLIED, f"{len(placed)} file(s) in place", owned=tuple(placed))
+        return FilePlan(State.APPLIED, f"{len(ops)} of {len(placed)} file(s) written", tuple(ops), tuple(placed))

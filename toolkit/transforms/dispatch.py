@@ -1,0 +1,102 @@
+"""dispatch: an env-gated early return into an injected fast path at the top of a function.
+
+    if __import__("os").environ.get("SWITCH", "1") == "1" [and (WHEN)]:
+        from pkg.mod import func as _toolkit_<id>
+        return _toolkit_<id>(args...)
+
+With the switch off the original body runs untouched. `__import__` keeps the dispatch one
+self-contained statement, so it needs no import elsewhere in the vendor module.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import libcst as cst
+
+from toolkit.recipe import Dispatch
+from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+
+
+def forward_args(fn: cst.FunctionDef) -> list[str]:
+    """The call arguments that pass a function's own parameters on unchanged."""
+    p = fn.params
+    out = [param.name.value for param in (*p.posonly_params, *p.params)]
+    if isinstance(p.star_arg, cst.Param):
+        out.append("*" + p.star_arg.name.value)
+    out.extend(f"{param.name.value}={param.name.value}" for param in p.kwonly_params)
+    if p.star_kwarg is not None:
+        out.append("**" + p.star_kwarg.name.value)
+    return out
+
+
+def _body_start(fn: cst.FunctionDef) -> int:
+    body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else []
+    if body and isinstance(body[0], cst.SimpleStatementLine) and len(body[0].body) == 1:
+        first = body[0].body[0]
+        if isinstance(first, cst.Expr) and isinstance(first.value, cst.SimpleString | cst.ConcatenatedString):
+            return 1  # after the docstring
+    return 0
+
+
+class DispatchKind:
+    def __init__(self, spec: Dispatch, ctx: Context) -> None:
+        self.spec = spec
+        self.module_name, _, self.func = spec.target.partition(":")
+        self.alias = "_toolkit_" + spec.id.replace("-", "_").replace(".", "_")
+
+    def _expected(self) -> str:
+        return f"function {self.spec.scope} without a {self.spec.switch} dispatch to {self.spec.target}"
+
+    def _is_ours(self, stmt: cst.CSTNode) -> bool:
+        if not isinstance(stmt, cst.If) or not isinstance(stmt.body, cst.IndentedBlock):
+            return False
+        test = cst.Module(body=[]).code_for_node(stmt.test)
+        if f'"{self.spec.switch}"' not in test and f"'{self.spec.switch}'" not in test:
+            return False
+        for line in stmt.body.body:
+            if isinstance(line, cst.SimpleStatementLine):
+                for small in line.body:
+                    if isinstance(small, cst.ImportFrom) and small.module is not None:
+                        module = cst.Module(body=[]).code_for_node(small.module)
+                        names = [] if isinstance(small.names, cst.ImportStar) else [
+                            a.name.value for a in small.names if isinstance(a.name, cst.Name)]
+                        if module == self.module_name and self.func in names:
+                            return True
+        return False
+
+    def probe(self, module: cst.Module) -> Probe:
+        fn = scope_or_none(module, self.spec)
+        if fn is None:
+            return missing_scope(module, self.spec, self._expected())
+        if not isinstance(fn, cst.FunctionDef):
+            return Probe(0, 0, f"{self.spec.scope} is a {type(fn).__name__}, not a function", self._expected())
+        body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else []
+        post = sum(1 for stmt in body if self._is_ours(stmt))
+        return Probe(
+            0 if post else 1, post,
+            f"function {self.spec.scope}" + (" with the dispatch" if post else " without the dispatch"),
+            self._expected(),
+        )
+
+    def statement(self, fn: cst.FunctionDef) -> cst.BaseStatement:
+        s = self.spec
+        test = f'__import__("os").environ.get("{s.switch}", "{s.default}") == "1"'
+        if s.when:
+            test = f"(\n    {test}\n    and ({' '.join(s.when.split())})\n)"
+        args = ", ".join(s.args if s.args is not None else forward_args(fn))
+        code = (
+            f"if {test}:\n"
+            f"    from {self.module_name} import {self.func} as {self.alias}\n"
+            f"    return {self.alias}({args})\n"
+        )
+        return cst.parse_statement(code)
+
+    def rewrite(self, module: cst.Module) -> cst.Module:
+        fn = scope_or_none(module, self.spec)
+        assert isinstance(fn, cst.FunctionDef) and isinstance(fn.body, cst.IndentedBlock)
+        at = _body_start(fn)
+        body = list(fn.body.body)
+        body.insert(at, self.statement(fn))
+        new_fn = fn.with_changes(body=fn.body.with_changes(body=body))
+        return cast(cst.Module, module.deep_replace(cast(cst.Module, fn), cast(cst.Module, new_fn)))

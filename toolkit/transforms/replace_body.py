@@ -1,0 +1,77 @@
+"""replace-body: swap a function's body for the body of a function kept in patches/src."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import cast
+
+import libcst as cst
+
+from toolkit.errors import ToolkitError
+from toolkit.recipe import ReplaceBody
+from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+from toolkit.transforms.cstutil import canonical_block, qualnames
+
+
+def _params(fn: cst.FunctionDef) -> list[str]:
+    p = fn.params
+    names = [x.name.value for x in (*p.posonly_params, *p.params, *p.kwonly_params)]
+    if isinstance(p.star_arg, cst.Param):
+        names.append("*" + p.star_arg.name.value)
+    if p.star_kwarg is not None:
+        names.append("**" + p.star_kwarg.name.value)
+    return names
+
+
+def body_digest(fn: cst.FunctionDef) -> str:
+    assert isinstance(fn.body, cst.IndentedBlock)
+    return hashlib.sha256(canonical_block(fn.body.body).encode()).hexdigest()[:12]
+
+
+class ReplaceBodyKind:
+    def __init__(self, spec: ReplaceBody, ctx: Context) -> None:
+        self.spec = spec
+        path, _, qualname = spec.source.partition(":")
+        source_file = ctx.patches_dir / path
+        try:
+            source_module = cst.parse_module(source_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ToolkitError(
+                f"transform {spec.id}: source file {source_file} not found",
+                hint="fix `source` in the recipe (path relative to the patches folder)",
+            ) from None
+        found = qualnames(source_module).get(qualname)
+        if not isinstance(found, cst.FunctionDef) or not isinstance(found.body, cst.IndentedBlock):
+            functions = [n for n, v in qualnames(source_module).items() if isinstance(v, cst.FunctionDef)]
+            raise ToolkitError(
+                f"transform {spec.id}: no function {qualname!r} in {source_file}",
+                hint=f"functions there: {', '.join(functions) or 'none'}",
+            )
+        self.source_fn = found
+        self.source_body = canonical_block(found.body.body)
+
+    def _expected(self) -> str:
+        return f"function {self.spec.scope}{tuple(_params(self.source_fn))} with another body"
+
+    def probe(self, module: cst.Module) -> Probe:
+        fn = scope_or_none(module, self.spec)
+        if fn is None:
+            return missing_scope(module, self.spec, self._expected())
+        if not isinstance(fn, cst.FunctionDef) or not isinstance(fn.body, cst.IndentedBlock):
+            return Probe(0, 0, f"{self.spec.scope} is not a function with a block body", self._expected())
+        if _params(fn) != _params(self.source_fn):
+            return Probe(0, 0, f"signature {tuple(_params(fn))}", self._expected())
+        if canonical_block(fn.body.body) == self.source_body:
+            return Probe(0, 1, "the replacement body", self._expected())
+        digest = body_digest(fn)
+        if self.spec.old_digest and not digest.startswith(self.spec.old_digest):
+            return Probe(0, 0, f"a body with digest {digest} (recipe pins old_digest {self.spec.old_digest})",
+                         self._expected())
+        return Probe(1, 0, f"a body with digest {digest}", self._expected())
+
+    def rewrite(self, module: cst.Module) -> cst.Module:
+        fn = scope_or_none(module, self.spec)
+        assert isinstance(fn, cst.FunctionDef) and isinstance(fn.body, cst.IndentedBlock)
+        assert isinstance(self.source_fn.body, cst.IndentedBlock)
+        new_fn = fn.with_changes(body=fn.body.with_changes(body=self.source_fn.body.body))
+        return cast(cst.Module, module.deep_replace(cast(cst.Module, fn), cast(cst.Module, new_fn)))

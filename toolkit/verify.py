@@ -1,0 +1,120 @@
+"""verify: every root carries every marker and post-state, compiles, and keeps its line endings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from toolkit.engine import ROOTFS_LABEL, Engine, TextFile, gated_off
+from toolkit.markers import read_markers
+from toolkit.recipe import LoadedRecipe, SourceTransform
+from toolkit.results import Finding, Report, Result, State
+from toolkit.sources import Root, vendor_version
+from toolkit.transforms.base import decide
+
+_NOT_DONE = {
+    State.APPLIED: "not applied: the pre-state is still there (run `toolkit apply`)",
+}
+
+
+def _verify_sources(engine: Engine, root: Root, version: str | None) -> tuple[list[Result], list[Finding]]:
+    results: list[Result] = []
+    findings: list[Finding] = []
+    for rel in dict.fromkeys(t.file for t in engine.source_specs):
+        specs = [t for t in engine.source_specs if t.file == rel]
+        path = root.path / rel
+        if not path.is_file():
+            results.extend(engine._result(t, root.label, rel, State.DRIFTED, f"{rel}: file not found") for t in specs)
+            continue
+        data = path.read_bytes()
+        try:
+            tf = TextFile.decode(data)
+            compile(data, str(path), "exec", dont_inherit=True)
+            module = cst.parse_module(tf.text)
+        except (UnicodeDecodeError, SyntaxError, cst.ParserSyntaxError) as exc:
+            findings.append(Finding("compile", root.label, rel, f"does not compile: {exc}"))
+            results.extend(engine._result(t, root.label, rel, State.DRIFTED, f"{rel}: unreadable") for t in specs)
+            continue
+        markers = read_markers(tf.text)
+        for spec in specs:
+            why_off = gated_off(spec, version)
+            if why_off:
+                results.append(engine._result(spec, root.label, rel, State.GATED_OFF, why_off))
+                continue
+            decision = decide(spec, engine.source[spec.id].probe(module), markers.get(spec.id))
+            state, message = decision.state, decision.message
+            if state is State.APPLIED:
+                state, message = State.DRIFTED, f"{rel}: {_NOT_DONE[State.APPLIED]}"
+            results.append(engine._result(spec, root.label, rel, state, message))
+    return results, findings
+
+
+def _lf_findings(label: str, base: Path, files: list[Path], check: str) -> list[Finding]:
+    out = []
+    for path in files:
+        if path.is_file() and not path.is_symlink() and b"\r" in path.read_bytes():
+            out.append(Finding(check, label, path.relative_to(base).as_posix(),
+                               "contains CR bytes; this recipe requires LF-only line endings"))
+    return out
+
+
+def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None) -> Report:
+    engine = Engine(loaded, roots, rootfs, check_version=False)
+    recipe = loaded.recipe
+    results: list[Result] = []
+    findings: list[Finding] = []
+    notes: list[str] = []
+    for root in roots:
+        version = vendor_version(root.path, recipe.vendor.package)
+        notes.append(f"{root.label}: {recipe.vendor.package} {version}")
+        try:
+            ok_version = version is not None and Version(version) in SpecifierSet(recipe.vendor.version)
+        except InvalidVersion:
+            ok_version = False
+        if not ok_version:
+            findings.append(Finding("vendor-version", root.label, f"{recipe.vendor.package}-*.dist-info",
+                                    f"version {version} does not satisfy vendor.version {recipe.vendor.version}"))
+        r, f = _verify_sources(engine, root, version)
+        results.extend(r)
+        findings.extend(f)
+        for pattern in recipe.checks.lf_only:
+            findings.extend(_lf_findings(root.label, root.path, sorted(root.path.glob(pattern)), "line-endings"))
+    # deploys and links: planning them with nothing left to do is exactly "in place"
+    version = vendor_version(roots[0].path, recipe.vendor.package)
+    for spec in recipe.transforms:
+        if isinstance(spec, SourceTransform):
+            continue
+        kind = engine.files[spec.id]
+        shown = spec.target_label
+        bases = ([(ROOTFS_LABEL, rootfs)] if rootfs is not None else []) if kind.rootfs_level else [
+            (r.label, r.path) for r in roots]
+        if kind.rootfs_level and rootfs is None:
+            results.append(engine._result(spec, ROOTFS_LABEL, shown, State.GATED_OFF, "no image filesystem given"))
+        for label, base in bases:
+            assert base is not None
+            why_off = gated_off(spec, version)
+            if why_off:
+                results.append(engine._result(spec, label, shown, State.GATED_OFF, why_off))
+                continue
+            plan = kind.plan(base, {})
+            state, message = plan.state, plan.message
+            if state is State.APPLIED:
+                state, message = State.DRIFTED, f"not in place: {message}"
+            results.append(engine._result(spec, label, shown, state, message))
+            if spec.kind == "deploy":
+                deployed = [target for target, _ in kind.targets(base).values()]  # type: ignore[union-attr]
+                texts = [p for p in deployed if not _binary(p)]
+                findings.extend(_lf_findings(label, base, texts, "line-endings"))
+    order = {t.id: i for i, t in enumerate(recipe.transforms)}
+    results.sort(key=lambda r: (order[r.transform], r.root))
+    return Report("verify", str(loaded.path), tuple(results), tuple(findings), tuple(notes))
+
+
+def _binary(path: Path) -> bool:
+    try:
+        return b"\0" in path.read_bytes()[:8192]
+    except OSError:
+        return False

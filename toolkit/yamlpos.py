@@ -1,0 +1,91 @@
+"""YAML loading that remembers where every value came from.
+
+pydantic reports errors by location tuples; we keep a map from those tuples to
+the (line, column) of the YAML node so that every recipe error names file:line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+Path_ = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Mark:
+    line: int  # 1-based
+    column: int  # 1-based
+
+
+class YamlLoadError(Exception):
+    def __init__(self, message: str, mark: Mark | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.mark = mark
+
+
+@dataclass
+class Located:
+    data: Any
+    marks: dict[Path_, Mark]
+    key_marks: dict[Path_, Mark]  # where the key itself stands (for unknown keys)
+
+    def mark_for(self, path: Path_) -> Mark | None:
+        """The nearest known position for a pydantic location."""
+        path = tuple(path)
+        while path:
+            if path in self.key_marks:
+                return self.key_marks[path]
+            if path in self.marks:
+                return self.marks[path]
+            path = path[:-1]
+        return self.marks.get(())
+
+
+def _mark(node: yaml.Node) -> Mark:
+    return Mark(node.start_mark.line + 1, node.start_mark.column + 1)
+
+
+def load(text: str) -> Located:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = Mark(mark.line + 1, mark.column + 1) if mark else None
+        raise YamlLoadError(f"invalid YAML: {exc.problem or exc}", where) from exc
+    marks: dict[Path_, Mark] = {}
+    key_marks: dict[Path_, Mark] = {}
+    if root is None:
+        return Located({}, marks, key_marks)
+    constructor = yaml.SafeLoader(text)  # only used to resolve scalars to Python values
+
+    def build(node: yaml.Node, path: Path_) -> Any:
+        marks[path] = _mark(node)
+        if isinstance(node, yaml.MappingNode):
+            out: dict[Any, Any] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    raise YamlLoadError("YAML merge keys (<<) are not supported in recipes", _mark(key_node))
+                key = constructor.construct_object(key_node, deep=True)
+                if not isinstance(key, str | int):
+                    raise YamlLoadError(f"mapping keys must be strings, got {key!r}", _mark(key_node))
+                if key in out:
+                    raise YamlLoadError(
+                        f"duplicate key {key!r} (first at line {key_marks[(*path, key)].line})",
+                        _mark(key_node),
+                    )
+                key_marks[(*path, key)] = _mark(key_node)
+                out[key] = build(value_node, (*path, key))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [build(item, (*path, i)) for i, item in enumerate(node.value)]
+        return constructor.construct_object(node, deep=True)
+
+    try:
+        data = build(root, ())
+    finally:
+        constructor.dispose()
+    return Located(data, marks, key_marks)
