@@ -14,7 +14,7 @@ import libcst as cst
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from toolkit.errors import InputDriftError
+from toolkit.errors import InputDriftError, WriteError
 from toolkit.markers import append_markers, read_markers
 from toolkit.recipe import LoadedRecipe, SourceTransform, TransformBase
 from toolkit.results import Result, State
@@ -337,6 +337,9 @@ class Engine:
                 "files": files,
                 "deployed": dict(sorted(owned.get(root.label, {}).items())),
                 "transforms": {t.id: t.digest() for t in self.recipe.transforms},
+                # what carries our marker: verify must not take a lost marker for an upstream fix
+                "marked": sorted({r.transform for r in self.plan.results if r.root == root.label and r.state in (
+                    State.APPLIED, State.ALREADY_APPLIED) and r.transform in self.source}),
             }
             data = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
             path = root.path / STATE_FILE
@@ -402,8 +405,10 @@ def commit(ops: list[FileOp]) -> None:
     """Write every op, or on any failure put back every byte that was there before."""
     done: list[tuple[Path, Snapshot]] = []
     made_dirs: list[Path] = []
+    current = Path()
     try:
         for op in ops:
+            current = op.path
             missing = [p for p in [op.path.parent, *op.path.parent.parents] if not p.exists()]
             for folder in reversed(missing):
                 folder.mkdir()
@@ -411,15 +416,25 @@ def commit(ops: list[FileOp]) -> None:
             snap = _snapshot(op.path)
             done.append((op.path, snap))
             _place(op.path, op.content, op.link, op.mode)
-    except BaseException:
-        for path, (what, data, mode) in reversed(done):
-            if what == "link":
-                _place(path, None, str(data), 0)
-            elif what == "file":
-                _place(path, data if isinstance(data, bytes) else None, None, mode)
-            elif path.is_symlink() or path.exists():
-                path.unlink()
-        for folder in reversed(made_dirs):
-            if folder.is_dir() and not any(folder.iterdir()):
-                folder.rmdir()
+    except BaseException as exc:
+        _rollback(done, made_dirs)
+        if isinstance(exc, OSError):
+            raise WriteError(
+                f"writing {current} failed ({exc.strerror or exc}); all {len(done)} earlier write(s) were "
+                "rolled back, every root is as it was",
+                hint="free space or fix permissions, then run apply again",
+            ) from exc
         raise
+
+
+def _rollback(done: list[tuple[Path, Snapshot]], made_dirs: list[Path]) -> None:
+    for path, (what, data, mode) in reversed(done):
+        if what == "link":
+            _place(path, None, str(data), 0)
+        elif what == "file":
+            _place(path, data if isinstance(data, bytes) else None, None, mode)
+        elif path.is_symlink() or path.exists():
+            path.unlink()
+    for folder in reversed(made_dirs):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()

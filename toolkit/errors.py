@@ -47,6 +47,12 @@ class SourceError(ToolkitError):
     """A vendor tree or reference release that cannot be found or fetched."""
 
 
+class WriteError(ToolkitError):
+    """A write failed half-way; everything written before it was rolled back."""
+
+    exit_code = EXIT_FAILED
+
+
 class InputDriftError(ToolkitError):
     """The pristine inputs are not what was locked, or the roots disagree."""
 

@@ -42,10 +42,15 @@ VENDOR_EDITS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def corexify(tree: Path) -> None:
-    """Apply the documented vendor changes to an upstream vLLM tree in place."""
+def corexify(tree: Path, *, only_present: bool = False) -> None:
+    """Apply the documented vendor changes to an upstream vLLM tree in place.
+
+    only_present: for trees that hold a subset of vLLM's files, skip edits of absent files.
+    """
     for rel, pattern, replacement in VENDOR_EDITS:
         path = tree / rel
+        if only_present and not path.exists():
+            continue
         text = path.read_text(encoding="utf-8")
         new, count = re.subn(pattern, replacement, text)
         if count != 1:

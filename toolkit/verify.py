@@ -8,7 +8,7 @@ import libcst as cst
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from toolkit.engine import ROOTFS_LABEL, Engine, TextFile, gated_off
+from toolkit.engine import ROOTFS_LABEL, STATE_FILE, Engine, TextFile, gated_off, read_state
 from toolkit.markers import read_markers
 from toolkit.recipe import LoadedRecipe, SourceTransform
 from toolkit.results import Finding, Report, Result, State
@@ -39,6 +39,7 @@ def _verify_sources(engine: Engine, root: Root, version: str | None) -> tuple[li
             results.extend(engine._result(t, root.label, rel, State.DRIFTED, f"{rel}: unreadable") for t in specs)
             continue
         markers = read_markers(tf.text)
+        marked = read_state(root.path).get("marked", [])
         for spec in specs:
             why_off = gated_off(spec, version)
             if why_off:
@@ -48,6 +49,10 @@ def _verify_sources(engine: Engine, root: Root, version: str | None) -> tuple[li
             state, message = decision.state, decision.message
             if state is State.APPLIED:
                 state, message = State.DRIFTED, f"{rel}: {_NOT_DONE[State.APPLIED]}"
+            elif state is State.SUPERSEDED and isinstance(marked, list) and spec.id in marked:
+                state, message = State.DRIFTED, (
+                    f"{rel}: marker missing although toolkit applied this transform here "
+                    f"(per {STATE_FILE}); the file was edited after apply")
             results.append(engine._result(spec, root.label, rel, state, message))
     return results, findings
 

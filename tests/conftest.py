@@ -1,0 +1,99 @@
+"""Shared fixtures: real vLLM releases fetched by pip (cached), CoreX-like trees, the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from toolkit.cli import main
+from toolkit.sources import fetch_reference
+from toolkit.testing import COREX_ROOTS, corexify, make_rootfs
+
+REPO = Path(__file__).resolve().parent.parent
+FLAGSHIP = REPO / "recipes" / "bi100-qwen36.yaml"
+
+
+@pytest.fixture(scope="session")
+def vllm_063() -> Path:
+    """vLLM 0.6.3.post1, the public base of the CoreX build (about 195 MB, fetched once, cached)."""
+    return fetch_reference("vllm==0.6.3.post1")
+
+
+@pytest.fixture(scope="session")
+def vllm_085() -> Path:
+    """vLLM 0.8.5.post1: a later release where scopes moved and some patches are upstream."""
+    return fetch_reference("vllm==0.8.5.post1")
+
+
+@pytest.fixture(scope="session")
+def corex_template(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_rootfs(vllm_063, tmp_path_factory.mktemp("corex-template") / "rootfs")
+
+
+@pytest.fixture
+def corex_rootfs(corex_template: Path, tmp_path: Path) -> Path:
+    """A fresh CoreX-like image filesystem (both vLLM roots) for one test."""
+    target = tmp_path / "rootfs"
+    shutil.copytree(corex_template, target, symlinks=True)
+    return target
+
+
+def small_rootfs(reference: Path, rootfs: Path, files: list[str], *, corex: bool = True) -> Path:
+    """Like make_rootfs, with only the listed vllm files (fast, for per-kind tests)."""
+    staging = rootfs.parent / f".{rootfs.name}-staging"
+    for rel in files:
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(reference / rel, staging / rel)
+    (staging / "vllm" / "__init__.py").touch()
+    for meta in reference.glob("vllm-*.dist-info"):
+        shutil.copytree(meta, staging / meta.name, dirs_exist_ok=True)
+    if corex:
+        corexify(staging, only_present=True)
+    make_rootfs(staging, rootfs, corex=False)
+    shutil.rmtree(staging)
+    return rootfs
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file, link and folder under root with its content hash (to prove nothing changed)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            out[rel] = "link:" + str(path.readlink())
+        elif path.is_file():
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> dict:  # type: ignore[type-arg]
+        return json.loads(self.out)
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    def run(*argv: str | Path) -> CliResult:
+        capsys.readouterr()
+        code = main([str(a) for a in argv])
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+def roots_of(rootfs: Path) -> list[Path]:
+    return [rootfs / r.lstrip("/") for r in COREX_ROOTS]
