@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import FLAGSHIP, roots_of, tree_digest
+
 from toolkit import engine as engine_mod
 from toolkit.markers import read_markers
 from toolkit.recipe import load_recipe

@@ -33,13 +33,21 @@ def sha256(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class Step:
-    """One transform's change to one file, for diffs."""
+    """One transform's change to one file, for diffs (code is generated only when a diff is asked for)."""
 
     transform: str
     root: str
     file: str
-    before: str
-    after: str
+    before_src: str | cst.Module
+    after_src: str | cst.Module
+
+    @property
+    def before(self) -> str:
+        return self.before_src if isinstance(self.before_src, str) else self.before_src.code
+
+    @property
+    def after(self) -> str:
+        return self.after_src if isinstance(self.after_src, str) else self.after_src.code
 
     def unified(self) -> str:
         return "".join(difflib.unified_diff(
@@ -221,7 +229,7 @@ class Engine:
             kind = self.source[spec.id]
             decision = decide(spec, kind.probe(module), markers.get(spec.id))
             if decision.state is State.APPLIED:
-                before = module.code
+                before = module
                 module = kind.rewrite(module)
                 check = kind.probe(module)
                 if check.post != spec.expect or check.pre != 0:
@@ -229,7 +237,7 @@ class Engine:
                                     f"(found {check.found}); this is a toolkit bug, please report it"))
                     continue
                 new_markers.append((spec.id, spec.digest()))
-                self.plan.steps.append(Step(spec.id, self.roots[0].label, rel, before, module.code))
+                self.plan.steps.append(Step(spec.id, self.roots[0].label, rel, before, module))
             outcome.append((spec, decision.state, decision.message))
         if new_markers and all(s is not State.DRIFTED for _, s, _ in outcome):
             text = append_markers(module.code, new_markers)

@@ -94,3 +94,32 @@ def make_rootfs(reference: Path, rootfs: Path, *, corex: bool = True, roots: tup
     lib64.mkdir(parents=True, exist_ok=True)
     (lib64 / "libcusolver.so.11").write_bytes(b"")
     return rootfs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m toolkit.testing ROOTFS`: build a CoreX-like image filesystem from vLLM 0.6.3.post1."""
+    import argparse
+
+    from toolkit.sources import fetch_reference
+
+    parser = argparse.ArgumentParser(
+        prog="python -m toolkit.testing",
+        description="Lay out a CoreX-like image filesystem (both vLLM roots, the vendor's documented changes) "
+        "built from the public vLLM release, for trying `toolkit apply/diff/verify` without the vendor image.",
+    )
+    parser.add_argument("rootfs", type=Path, help="folder to create (must not exist)")
+    parser.add_argument("--release", default="vllm==0.6.3.post1", help="upstream release to start from")
+    args = parser.parse_args(argv)
+    if args.rootfs.exists():
+        parser.error(f"{args.rootfs} exists; pick a new folder")
+    tmp = args.rootfs.with_name(f".{args.rootfs.name}.partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    make_rootfs(fetch_reference(args.release), tmp)
+    tmp.rename(args.rootfs)
+    print(f"CoreX-like rootfs ready: {args.rootfs} (roots: {', '.join(COREX_ROOTS)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

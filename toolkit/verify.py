@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import libcst as cst
@@ -13,14 +14,19 @@ from toolkit.markers import read_markers
 from toolkit.recipe import LoadedRecipe, SourceTransform
 from toolkit.results import Finding, Report, Result, State
 from toolkit.sources import Root, vendor_version
-from toolkit.transforms.base import decide
+from toolkit.transforms.base import Probe, decide
 
 _NOT_DONE = {
     State.APPLIED: "not applied: the pre-state is still there (run `toolkit apply`)",
 }
 
 
-def _verify_sources(engine: Engine, root: Root, version: str | None) -> tuple[list[Result], list[Finding]]:
+Parsed = tuple[TextFile, cst.Module, dict[str, Probe]]
+
+
+def _verify_sources(engine: Engine, root: Root, version: str | None,
+                    cache: dict[tuple[str, str], Parsed | Exception]) -> tuple[list[Result], list[Finding]]:
+    """Check one root; roots holding byte-identical files share one parse (cache keyed by sha256)."""
     results: list[Result] = []
     findings: list[Finding] = []
     for rel in dict.fromkeys(t.file for t in engine.source_specs):
@@ -30,14 +36,22 @@ def _verify_sources(engine: Engine, root: Root, version: str | None) -> tuple[li
             results.extend(engine._result(t, root.label, rel, State.DRIFTED, f"{rel}: file not found") for t in specs)
             continue
         data = path.read_bytes()
-        try:
-            tf = TextFile.decode(data)
-            compile(data, str(path), "exec", dont_inherit=True)
-            module = cst.parse_module(tf.text)
-        except (UnicodeDecodeError, SyntaxError, cst.ParserSyntaxError) as exc:
-            findings.append(Finding("compile", root.label, rel, f"does not compile: {exc}"))
+        key = (rel, hashlib.sha256(data).hexdigest())
+        if key not in cache:
+            try:
+                tf = TextFile.decode(data)
+                compile(data, str(path), "exec", dont_inherit=True)
+                module = cst.parse_module(tf.text)
+                probes = {t.id: engine.source[t.id].probe(module) for t in specs}
+                cache[key] = (tf, module, probes)
+            except (UnicodeDecodeError, SyntaxError, cst.ParserSyntaxError) as exc:
+                cache[key] = exc
+        parsed = cache[key]
+        if isinstance(parsed, Exception):
+            findings.append(Finding("compile", root.label, rel, f"does not compile: {parsed}"))
             results.extend(engine._result(t, root.label, rel, State.DRIFTED, f"{rel}: unreadable") for t in specs)
             continue
+        tf, module, probes = parsed
         markers = read_markers(tf.text)
         marked = read_state(root.path).get("marked", [])
         for spec in specs:
@@ -45,7 +59,7 @@ def _verify_sources(engine: Engine, root: Root, version: str | None) -> tuple[li
             if why_off:
                 results.append(engine._result(spec, root.label, rel, State.GATED_OFF, why_off))
                 continue
-            decision = decide(spec, engine.source[spec.id].probe(module), markers.get(spec.id))
+            decision = decide(spec, probes[spec.id], markers.get(spec.id))
             state, message = decision.state, decision.message
             if state is State.APPLIED:
                 state, message = State.DRIFTED, f"{rel}: {_NOT_DONE[State.APPLIED]}"
@@ -72,6 +86,7 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None) ->
     results: list[Result] = []
     findings: list[Finding] = []
     notes: list[str] = []
+    cache: dict[tuple[str, str], Parsed | Exception] = {}
     for root in roots:
         version = vendor_version(root.path, recipe.vendor.package)
         notes.append(f"{root.label}: {recipe.vendor.package} {version}")
@@ -82,7 +97,7 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None) ->
         if not ok_version:
             findings.append(Finding("vendor-version", root.label, f"{recipe.vendor.package}-*.dist-info",
                                     f"version {version} does not satisfy vendor.version {recipe.vendor.version}"))
-        r, f = _verify_sources(engine, root, version)
+        r, f = _verify_sources(engine, root, version, cache)
         results.extend(r)
         findings.extend(f)
         for pattern in recipe.checks.lf_only:

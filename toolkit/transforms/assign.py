@@ -6,7 +6,7 @@ import libcst as cst
 
 from toolkit.recipe import Assign
 from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
-from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_scope
+from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_statements
 
 
 class AssignKind:
@@ -18,18 +18,19 @@ class AssignKind:
         old = s.old if s.old is not None else "<any>"
         return f"`{s.target} = {old}` -> " + ("removed" if s.new is None else f"`{s.target} = {s.new}`")
 
-    def _sites(self, scope: cst.CSTNode) -> list[tuple[cst.SimpleStatementLine, cst.Assign]]:
+    def _sites(self, scope: cst.CSTNode) -> list[tuple[cst.SimpleStatementLine, cst.Assign, list[cst.CSTNode]]]:
         sites = []
-        for node in walk_scope(scope):
-            if isinstance(node, cst.SimpleStatementLine) and len(node.body) == 1:
-                stmt = node.body[0]
-                if (
-                    isinstance(stmt, cst.Assign)
-                    and len(stmt.targets) == 1
-                    and isinstance(stmt.targets[0].target, cst.Name)
-                    and stmt.targets[0].target.value == self.spec.target
-                ):
-                    sites.append((node, stmt))
+        for stmt, path in walk_statements(scope):
+            line = path[-1]
+            if (
+                isinstance(line, cst.SimpleStatementLine)
+                and len(line.body) == 1
+                and isinstance(stmt, cst.Assign)
+                and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0].target, cst.Name)
+                and stmt.targets[0].target.value == self.spec.target
+            ):
+                sites.append((line, stmt, path))
         return sites
 
     def _is_pre(self, stmt: cst.Assign) -> bool:
@@ -42,25 +43,27 @@ class AssignKind:
         if scope is None:
             return missing_scope(module, self.spec, self._expected())
         sites = self._sites(scope)
-        pre = sum(1 for _, s in sites if self._is_pre(s))
+        pre = sum(1 for _, s, _ in sites if self._is_pre(s))
         if self.spec.new is None:
             # a removal's post-state is the absence of the old statement in a scope that still exists
             post = self.spec.expect if pre == 0 else 0
         else:
-            post = sum(1 for _, s in sites if same_expr(s.value, self.spec.new))
-        shown = "; ".join(f"`{self.spec.target} = {code_of(s.value).strip()}`" for _, s in sites)
+            post = sum(1 for _, s, _ in sites if same_expr(s.value, self.spec.new))
+        shown = "; ".join(f"`{self.spec.target} = {code_of(s.value).strip()}`" for _, s, _ in sites)
         return Probe(pre, post, shown or f"no assignment to {self.spec.target}", self._expected())
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)
         assert scope is not None
         targets = {}
-        for line, stmt in self._sites(scope):
+        ancestors: set[int] = set()
+        for line, stmt, path in self._sites(scope):
             if not self._is_pre(stmt):
                 continue
+            ancestors.update(id(n) for n in path)
             if self.spec.new is None:
                 targets[id(line)] = lambda n: cst.RemoveFromParent()
             else:
                 value = cst.parse_expression(self.spec.new)
                 targets[id(stmt)] = lambda n, v=value: n.with_changes(value=v)  # type: ignore[misc]
-        return replace_nodes(module, targets)  # type: ignore[arg-type]
+        return replace_nodes(module, targets, self.spec.scope, ancestors)  # type: ignore[arg-type]

@@ -110,6 +110,41 @@ def nearest_names(module: cst.Module, scope: str, limit: int = 5) -> list[str]:
     return (same_tail + close)[:limit]
 
 
+def walk_statements(scope: cst.CSTNode) -> Iterator[tuple[cst.BaseSmallStatement, list[cst.CSTNode]]]:
+    """Every small statement in a scope with its ancestors, without entering expressions or nested defs.
+
+    Much cheaper than a visitor on large modules: only statement-level nodes are touched.
+    """
+
+    def blocks(node: cst.CSTNode) -> list[cst.CSTNode]:
+        if isinstance(node, cst.Module | cst.IndentedBlock | cst.SimpleStatementSuite):
+            return [node]
+        out: list[cst.CSTNode] = []
+        for name in ("body", "orelse", "finalbody"):
+            child = getattr(node, name, None)
+            if isinstance(child, cst.CSTNode):
+                out.extend(blocks(child))
+        for handler in getattr(node, "handlers", ()):
+            out.extend(blocks(handler))
+        return out
+
+    def walk(block: cst.CSTNode, path: list[cst.CSTNode]) -> Iterator[tuple[cst.BaseSmallStatement, list[cst.CSTNode]]]:
+        for stmt in getattr(block, "body", ()):
+            here = [*path, block, stmt]
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    yield small, here
+            elif isinstance(stmt, cst.BaseSmallStatement):  # inside a SimpleStatementSuite
+                yield stmt, [*path, block]
+            elif not isinstance(stmt, cst.FunctionDef | cst.ClassDef):
+                for inner in blocks(stmt):
+                    yield from walk(inner, here)
+
+    start = scope.body if isinstance(scope, cst.FunctionDef | cst.ClassDef) else scope
+    prefix: list[cst.CSTNode] = [scope] if start is not scope else []
+    yield from walk(start, prefix)
+
+
 class _ScopeWalker(cst.CSTVisitor):
     def __init__(self, root: cst.CSTNode) -> None:
         self.root = root
@@ -127,19 +162,62 @@ def walk_scope(scope: cst.CSTNode) -> list[cst.CSTNode]:
     return walker.nodes
 
 
+_BLOCKS = (cst.Module, cst.IndentedBlock, cst.If, cst.Else, cst.Try, cst.TryStar, cst.ExceptHandler,
+           cst.ExceptStarHandler, cst.Finally, cst.With)
+
+
+class _Ancestors(cst.CSTVisitor):
+    """Collects the nodes on the way from the scope down to each target."""
+
+    def __init__(self, targets: set[int]) -> None:
+        self.targets = targets
+        self.stack: list[int] = []
+        self.keep: set[int] = set()
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.stack.append(id(node))
+        if id(node) in self.targets:
+            self.keep.update(self.stack)
+        return True
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        self.stack.pop()
+
+
 class ReplaceNodes(cst.CSTTransformer):
-    """Replace exactly the given original nodes (by identity)."""
+    """Replace exactly the given original nodes (by identity), rebuilding only their ancestors.
+
+    Outside the scope only block statements and the defs on the scope's path are entered;
+    inside it only the targets' ancestors. A full-module transform costs ~100 ms on a large
+    vLLM file; this touches a few hundred nodes.
+    """
 
     def __init__(
-        self, targets: dict[int, Callable[[cst.CSTNode], cst.CSTNode | cst.RemovalSentinel]]
+        self, targets: dict[int, Callable[[cst.CSTNode], cst.CSTNode | cst.RemovalSentinel]],
+        keep: set[int], chain: set[int], scope: int,
     ) -> None:
         super().__init__()
         self.targets = targets
+        self.keep = keep
+        self.chain = chain
+        self.scope = scope
+        self.inside = False
         self.hits = 0
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if id(node) == self.scope:
+            self.inside = True
+        if id(node) in self.keep or id(node) in self.chain:
+            return True
+        if self.inside or isinstance(node, cst.FunctionDef | cst.ClassDef | cst.SimpleStatementLine):
+            return False
+        return isinstance(node, _BLOCKS)
 
     def on_leave(  # type: ignore[override]
         self, original_node: cst.CSTNode, updated_node: cst.CSTNode
     ) -> cst.CSTNode | cst.RemovalSentinel:
+        if id(original_node) == self.scope:
+            self.inside = False
         fn = self.targets.get(id(original_node))
         if fn is None:
             return updated_node
@@ -147,10 +225,26 @@ class ReplaceNodes(cst.CSTTransformer):
         return fn(updated_node)
 
 
+def scope_chain(module: cst.Module, scope: str) -> list[cst.CSTNode]:
+    """The module and every class/def on the way to a dotted scope."""
+    names = qualnames(module)
+    parts = scope.split(".") if scope else []
+    return [module, *(names[".".join(parts[: i + 1])] for i in range(len(parts)))]
+
+
 def replace_nodes(
-    module: cst.Module, targets: dict[int, Callable[[cst.CSTNode], cst.CSTNode | cst.RemovalSentinel]]
+    module: cst.Module,
+    targets: dict[int, Callable[[cst.CSTNode], cst.CSTNode | cst.RemovalSentinel]],
+    scope: str = "",
+    ancestors: set[int] | None = None,
 ) -> cst.Module:
-    transformer = ReplaceNodes(targets)
+    """ancestors: the ids of the targets' ancestors inside the scope, when the caller already knows them."""
+    chain = scope_chain(module, scope)
+    if ancestors is None:
+        finder = _Ancestors(set(targets))
+        chain[-1].visit(finder)
+        ancestors = finder.keep
+    transformer = ReplaceNodes(targets, ancestors | set(targets), {id(n) for n in chain}, id(chain[-1]))
     new = module.visit(transformer)
     if transformer.hits != len(targets):
         raise AssertionError(f"replaced {transformer.hits} of {len(targets)} nodes")

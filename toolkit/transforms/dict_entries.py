@@ -9,7 +9,7 @@ import libcst as cst
 
 from toolkit.recipe import DictEntries
 from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
-from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_scope
+from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_statements
 
 
 def _key(element: cst.BaseDictElement) -> str | None:
@@ -31,8 +31,11 @@ class DictEntriesKind:
         return f"dict literal `{self.spec.name}` without keys {sorted(self.spec.entries)}{where}"
 
     def _dicts(self, scope: cst.CSTNode) -> list[cst.Dict]:
+        return [d for d, _ in self._sites(scope)]
+
+    def _sites(self, scope: cst.CSTNode) -> list[tuple[cst.Dict, list[cst.CSTNode]]]:
         found = []
-        for node in walk_scope(scope):
+        for node, path in walk_statements(scope):
             if isinstance(node, cst.Assign) and isinstance(node.value, cst.Dict):
                 names = [t.target for t in node.targets]
             elif isinstance(node, cst.AnnAssign) and isinstance(node.value, cst.Dict):
@@ -40,7 +43,7 @@ class DictEntriesKind:
             else:
                 continue
             if any(isinstance(n, cst.Name) and n.value == self.spec.name for n in names):
-                found.append(node.value)
+                found.append((node.value, [*path, node]))
         return found
 
     def _classify(self, d: cst.Dict) -> tuple[bool, bool, str]:
@@ -79,24 +82,27 @@ class DictEntriesKind:
         elements = list(d.elements)
         keys = [_key(e) for e in elements]
         index = keys.index(self.spec.after) if self.spec.after else len(elements) - 1
-        template = elements[index] if elements else None
-        comma = template.comma if template is not None and isinstance(template.comma, cst.Comma) else None
-        if comma is None:
-            previous = elements[index - 1].comma if index > 0 else None
-            comma = previous if isinstance(previous, cst.Comma) else cst.Comma(
-                whitespace_after=cst.SimpleWhitespace(" "))
+        at_end = index == len(elements) - 1
+        # the separator between entries carries the layout (newline + indent) of this dict
+        separators = [e.comma for e in elements[:-1] if isinstance(e.comma, cst.Comma)]
+        sep = separators[min(index, len(separators) - 1)] if separators else cst.Comma(
+            whitespace_after=cst.SimpleWhitespace(" "))
         new = [
-            cst.DictElement(cst.SimpleString(json.dumps(k)), cst.parse_expression(v), comma=comma)
+            cst.DictElement(cst.SimpleString(json.dumps(k)), cst.parse_expression(v), comma=sep)
             for k, v in self.spec.entries.items()
         ]
-        if template is not None and not isinstance(template.comma, cst.Comma):
-            elements[index] = template.with_changes(comma=comma)
-            # the former last element keeps its own closing layout on the last new entry
-            new[-1] = new[-1].with_changes(comma=template.comma)
+        if at_end:
+            # the old last entry's comma (trailing or none) moves to the new last entry
+            trailing = elements[-1].comma if elements else cst.MaybeSentinel.DEFAULT
+            new[-1] = new[-1].with_changes(comma=trailing)
+            if elements:
+                elements[-1] = elements[-1].with_changes(comma=sep)
         return d.with_changes(elements=[*elements[: index + 1], *new, *elements[index + 1:]])
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)
         assert scope is not None
-        targets = {id(d): self._insert for d in self._dicts(scope) if self._classify(d)[0]}
-        return replace_nodes(module, targets)  # type: ignore[arg-type]
+        sites = [(d, path) for d, path in self._sites(scope) if self._classify(d)[0]]
+        targets = {id(d): self._insert for d, _ in sites}
+        ancestors = {id(n) for _, path in sites for n in path}
+        return replace_nodes(module, targets, self.spec.scope, ancestors)  # type: ignore[arg-type]

@@ -10,12 +10,11 @@ self-contained statement, so it needs no import elsewhere in the vendor module.
 
 from __future__ import annotations
 
-from typing import cast
-
 import libcst as cst
 
 from toolkit.recipe import Dispatch
 from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+from toolkit.transforms.cstutil import replace_nodes
 
 
 def forward_args(fn: cst.FunctionDef) -> list[str]:
@@ -99,4 +98,4 @@ class DispatchKind:
         body = list(fn.body.body)
         body.insert(at, self.statement(fn))
         new_fn = fn.with_changes(body=fn.body.with_changes(body=body))
-        return cast(cst.Module, module.deep_replace(cast(cst.Module, fn), cast(cst.Module, new_fn)))
+        return replace_nodes(module, {id(fn): lambda _: new_fn}, self.spec.scope)

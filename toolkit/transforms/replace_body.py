@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-from typing import cast
 
 import libcst as cst
 
 from toolkit.errors import ToolkitError
 from toolkit.recipe import ReplaceBody
 from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
-from toolkit.transforms.cstutil import canonical_block, qualnames
+from toolkit.transforms.cstutil import canonical_block, qualnames, replace_nodes
 
 
 def _params(fn: cst.FunctionDef) -> list[str]:
@@ -74,4 +73,4 @@ class ReplaceBodyKind:
         assert isinstance(fn, cst.FunctionDef) and isinstance(fn.body, cst.IndentedBlock)
         assert isinstance(self.source_fn.body, cst.IndentedBlock)
         new_fn = fn.with_changes(body=fn.body.with_changes(body=self.source_fn.body.body))
-        return cast(cst.Module, module.deep_replace(cast(cst.Module, fn), cast(cst.Module, new_fn)))
+        return replace_nodes(module, {id(fn): lambda _: new_fn}, self.spec.scope)

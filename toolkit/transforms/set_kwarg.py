@@ -49,4 +49,4 @@ class SetKwargKind:
         new_value = cst.parse_expression(self.spec.new)
         _, sites = self._sites(scope)
         targets = {id(a): (lambda n: n.with_changes(value=new_value)) for a in sites if self._is_pre(a)}
-        return replace_nodes(module, targets)
+        return replace_nodes(module, targets, self.spec.scope)

@@ -1,0 +1,238 @@
+"""Recipe loading: every error names file:line, the committed schema is in sync, valid recipes round-trip."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import libcst as cst
+import pytest
+import yaml
+from conftest import FLAGSHIP, REPO
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from toolkit.errors import RecipeError
+from toolkit.recipe import DictEntries, json_schema, load_recipe, parse_recipe
+from toolkit.transforms.base import Context
+from toolkit.transforms.dict_entries import DictEntriesKind
+
+GOOD = FLAGSHIP.read_text()
+
+
+def error_for(text: str, name: str = "r.yaml") -> RecipeError:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(text, name)
+    return info.value
+
+
+def line_of(text: str, needle: str) -> int:
+    return next(i + 1 for i, ln in enumerate(text.splitlines()) if needle in ln)
+
+
+def test_flagship_loads() -> None:
+    loaded = load_recipe(FLAGSHIP)
+    assert loaded.recipe.name == "bi100-qwen36"
+    assert loaded.recipe.vendor.roots == [
+        "/usr/local/corex/lib/python3/dist-packages", "/usr/local/corex/lib64/python3/dist-packages"]
+    assert loaded.transform_line(0) == line_of(GOOD, "id: unhardcode-enforce-eager")
+
+
+def test_bad_yaml_names_line_and_column() -> None:
+    text = GOOD.replace("  count: 4\n", "  count: [4\n")
+    err = error_for(text)
+    assert err.file == "r.yaml" and err.line is not None
+    assert str(err).startswith("r.yaml:") and "invalid YAML" in str(err)
+
+
+def test_unknown_key_lists_valid_keys() -> None:
+    text = GOOD.replace("    arg: enforce_eager\n", "    arg: enforce_eager\n    argument: oops\n", 1)
+    err = error_for(text)
+    assert err.line == line_of(text, "argument: oops")
+    assert "unknown key 'argument'" in str(err)
+    assert "valid keys here:" in str(err) and "arg, call, expect, file" in str(err)
+
+
+def test_unknown_top_level_key() -> None:
+    err = error_for(GOOD + "servings: {}\n")
+    assert err.line == len(GOOD.splitlines()) + 1
+    assert "base_image" in str(err) and "transforms" in str(err)
+
+
+def test_wrong_type_names_the_key() -> None:
+    text = GOOD.replace("  count: 4\n", "  count: four\n")
+    err = error_for(text)
+    assert err.line == line_of(text, "count: four")
+    assert err.key == "hardware.count" and "integer" in str(err)
+
+
+def test_bad_expression_is_caught_at_load() -> None:
+    text = GOOD.replace("new: self.enforce_eager", "new: self.enforce_eager(", 1)
+    err = error_for(text)
+    assert err.line == line_of(text, "new: self.enforce_eager(")
+    assert "not a Python expression" in str(err)
+
+
+def test_unknown_kind_lists_kinds() -> None:
+    text = GOOD.replace("kind: set-kwarg", "kind: set-kwargs", 1)
+    err = error_for(text)
+    assert err.line == line_of(text, "kind: set-kwargs")
+    assert "unknown kind 'set-kwargs'" in str(err) and "dict-entries" in str(err)
+
+
+def test_missing_key_points_at_its_mapping() -> None:
+    text = GOOD.replace("    call: ModelConfig\n", "", 1)
+    err = error_for(text)
+    assert err.line == line_of(text, "- id: unhardcode-enforce-eager")
+    assert "missing required key 'call'" in str(err)
+
+
+def test_duplicate_key_and_duplicate_id() -> None:
+    err = error_for(GOOD.replace("  count: 4\n", "  count: 4\n  count: 8\n"))
+    assert "duplicate key 'count'" in str(err)
+    text = GOOD.replace("id: unhardcode-custom-all-reduce", "id: unhardcode-enforce-eager")
+    err = error_for(text)
+    second = [i + 1 for i, ln in enumerate(text.splitlines()) if "id: unhardcode-enforce-eager" in ln][1]
+    assert err.line == second
+    assert "duplicate transform id 'unhardcode-enforce-eager'" in str(err)
+
+
+def test_missing_provenance_is_an_error() -> None:
+    text = GOOD.replace("    remove_when: the base image's arg_utils.py passes self.enforce_eager "
+                        "(diff reports SUPERSEDED)\n", "", 1)
+    assert "missing required key 'remove_when'" in str(error_for(text))
+
+
+def test_several_problems_are_all_reported() -> None:
+    text = GOOD.replace("  count: 4\n", "  count: four\n").replace("  memory_gb: 32\n", "  memory_gb: -1\n")
+    message = str(error_for(text))
+    assert "2 problems" in message and "hardware.count" in message and "hardware.memory_gb" in message
+
+
+def test_missing_and_non_utf8_files(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(RecipeError, match="not UTF-8"):
+        load_recipe(bad)
+
+
+def test_crlf_recipe_loads_the_same(tmp_path: Path) -> None:
+    crlf = tmp_path / "crlf.yaml"
+    crlf.write_bytes(GOOD.replace("\n", "\r\n").encode())
+    assert load_recipe(crlf).recipe == load_recipe(FLAGSHIP).recipe
+
+
+def test_committed_schema_is_in_sync() -> None:
+    committed = json.loads((REPO / "recipes" / "schema.json").read_text())
+    assert committed == json.loads(json.dumps(json_schema())), "run `toolkit schema -o recipes/schema.json`"
+
+
+def test_flagship_validates_against_the_schema() -> None:
+    jsonschema.validate(yaml.safe_load(GOOD), json_schema())
+
+
+def test_schema_cli(cli) -> None:
+    result = cli("schema")
+    assert result.code == 0 and json.loads(result.out)["title"] == "toolkit recipe"
+
+
+# -- property tests ----------------------------------------------------------------------------
+
+ident = st.from_regex(r"[a-z][a-z0-9_]{0,8}", fullmatch=True).filter(lambda s: s.isidentifier())
+tid = st.from_regex(r"[a-z][a-z0-9-]{0,12}", fullmatch=True)
+text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=20).filter(
+    lambda s: s.strip() == s and s != "")
+expr = st.sampled_from(["True", "False", "None", "self.x", "1 + 2", '"forbid"', "f(a, b=2)", "[1, 2]"])
+relpy = st.lists(ident, min_size=1, max_size=3).map(lambda parts: "/".join(parts) + ".py")
+scope = st.lists(ident, max_size=2).map(".".join)
+prov = {"why": text, "remove_when": text}
+
+
+def transform_strategy() -> st.SearchStrategy[dict[str, Any]]:
+    common = {"id": tid, "file": relpy, "scope": scope, **prov}
+    return st.one_of(
+        st.fixed_dictionaries({"kind": st.just("set-kwarg"), "call": ident, "arg": ident, "new": expr, **common},
+                              optional={"old": expr, "expect": st.integers(1, 3)}),
+        st.fixed_dictionaries({"kind": st.just("assign"), "target": ident, "old": expr, **common},
+                              optional={"new": expr}),
+        st.fixed_dictionaries({"kind": st.just("dict-entries"), "name": ident,
+                               "entries": st.dictionaries(ident, expr, min_size=1, max_size=3), **common},
+                              optional={"after": ident}),
+        st.fixed_dictionaries({"kind": st.just("dispatch"), "switch": ident.map(str.upper),
+                               "target": st.tuples(ident, ident).map(lambda t: f"{t[0]}.mod:{t[1]}"), **common},
+                              optional={"default": st.sampled_from(["0", "1"]), "when": expr,
+                                        "args": st.lists(expr, max_size=3)}),
+        st.fixed_dictionaries({"kind": st.just("deploy"), "id": tid, "source": relpy,
+                               "dest": st.one_of(relpy, relpy.map(lambda p: "/opt/" + p)), **prov},
+                              optional={"overwrite": st.booleans()}),
+        st.fixed_dictionaries({"kind": st.just("symlink"), "id": tid, "link": relpy.map(lambda p: "/usr/" + p),
+                               "target": st.sampled_from(["lib.so.*", "lib.so.11"]), **prov}),
+    )
+
+
+recipes = st.fixed_dictionaries({
+    "name": tid,
+    "hardware": st.fixed_dictionaries({"vendor": text, "accelerator": text, "count": st.integers(1, 16),
+                                       "memory_gb": st.floats(1, 256)}),
+    "base_image": st.fixed_dictionaries({"reference": text, "python": st.sampled_from(["3.10", "3.11"])}),
+    "vendor": st.fixed_dictionaries({
+        "version": st.sampled_from([">=0.6.3,<0.6.4", "==0.6.3+corex.3.2.3", ">=0.8"]),
+        "roots": st.lists(relpy.map(lambda p: "/" + p), min_size=1, max_size=2, unique=True),
+        "reference": st.sampled_from(["vllm==0.6.3.post1", "vllm==0.8.5.post1"])}),
+    "transforms": st.lists(transform_strategy(), min_size=1, max_size=4, unique_by=lambda t: t["id"]),
+    "serve": st.fixed_dictionaries({}, optional={
+        "args": st.dictionaries(tid, st.one_of(st.booleans(), st.integers(0, 10**6), text), max_size=4),
+        "concurrency": st.integers(1, 64)}),
+}, optional={"env": st.dictionaries(ident.map(str.upper), text, max_size=3)})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recipes)
+def test_valid_recipes_round_trip_through_yaml_and_schema(data: dict[str, Any]) -> None:
+    schema = json_schema()
+    jsonschema.validate(data, schema)  # what we generate is valid by the schema...
+    recipe, _ = parse_recipe(yaml.safe_dump(data, allow_unicode=True), "generated.yaml")  # ...and by the model
+    dumped = recipe.model_dump(mode="json", exclude_none=True)
+    jsonschema.validate(dumped, schema)
+    again, _ = parse_recipe(yaml.safe_dump(dumped, allow_unicode=True), "dumped.yaml")
+    assert again == recipe
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    keys=st.lists(ident, min_size=0, max_size=5, unique=True),
+    new=st.dictionaries(ident.map(lambda s: "N" + s), st.integers(0, 99), min_size=1, max_size=3),
+    multiline=st.booleans(),
+    trailing=st.booleans(),
+    after_index=st.integers(-1, 5),
+)
+def test_dict_entries_keep_order_and_layout(keys: list[str], new: dict[str, int], multiline: bool, trailing: bool,
+                                             after_index: int) -> None:
+    """Inserting entries gives the expected ordered dict, in the dict's own layout, whatever that is."""
+    items = [f'"{k}": {i}' for i, k in enumerate(keys)]
+    if multiline:
+        body = "".join(f"    {it},\n" for it in items) if trailing else ",\n".join(f"    {it}" for it in items)
+        source = "M = {\n" + body + ("\n" if items and not trailing else "") + "}\n"
+    else:
+        source = "M = {" + ", ".join(items) + ("," if trailing and items else "") + "}\n"
+    after = keys[after_index] if keys and 0 <= after_index < len(keys) else None
+    spec = DictEntries(kind="dict-entries", id="t", why="w", remove_when="r", file="m.py", name="M",
+                       entries={k: str(v) for k, v in new.items()}, after=after)
+    kind = DictEntriesKind(spec, Context(Path(".")))
+    module = cst.parse_module(source)
+    assert kind.probe(module).pre == 1
+    out = kind.rewrite(module).code
+    value = ast.literal_eval(out.split("=", 1)[1].strip())
+    order = list(keys)
+    at = order.index(after) + 1 if after else len(order)
+    order[at:at] = list(new)
+    assert list(value) == order
+    probe = kind.probe(cst.parse_module(out))
+    assert (probe.pre, probe.post) == (0, 1)
+    if multiline and items:
+        assert all(line.startswith(("    ", "M = {", "}")) for line in out.splitlines())
