@@ -16,6 +16,10 @@ from toolkit.recipe import load_recipe
 VENDOR_IDS = {t.id for t in load_recipe(FLAGSHIP).recipe.transforms}
 
 
+def line_of(needle: str) -> int:
+    return next(i + 1 for i, ln in enumerate(FLAGSHIP.read_text().splitlines()) if needle in ln)
+
+
 def states(report: dict) -> dict[tuple[str, str], str]:  # type: ignore[type-arg]
     return {(r["transform"], r["root"]): r["state"] for r in report["results"]}
 
@@ -131,7 +135,7 @@ def test_drifted_vendor_file_changes_nothing(cli, corex_rootfs: Path) -> None:
     assert {r["transform"] for r in drifted} == {"unhardcode-enforce-eager"}
     message = drifted[0]["message"]
     assert "enforce_eager=bool(1)" in message and "ModelConfig" in message and "arg_utils.py" in message
-    assert drifted[0]["recipe_line"] == 31
+    assert drifted[0]["recipe_line"] == line_of("- id: unhardcode-enforce-eager")
 
 
 def test_roots_that_differ_are_refused(cli, corex_rootfs: Path) -> None:
@@ -237,4 +241,4 @@ def test_reference_085_reports_upstream_changes(cli, vllm_085: Path) -> None:
     openai = got["openai-accept-unknown-fields"]
     assert openai["state"] == "DRIFTED"
     assert 'extra="allow"' in openai["message"] and 'extra="forbid"' in openai["message"]
-    assert openai["recipe_line"] == 66
+    assert openai["recipe_line"] == line_of("- id: openai-accept-unknown-fields")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -11,10 +12,13 @@ from pathlib import Path
 from toolkit import __version__
 from toolkit.engine import Engine, commit, make_lock
 from toolkit.errors import EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
+from toolkit.lint import lint
 from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
 from toolkit.report import emit
-from toolkit.results import Report, State
+from toolkit.results import Report, Severity, State
 from toolkit.sources import Root, reference_root, rootfs_roots
+from toolkit.variants import expand as expand_variants
+from toolkit.variants import find as find_variant
 from toolkit.verify import verify_tree
 
 EPILOG = """\
@@ -30,6 +34,8 @@ examples:
   toolkit apply recipes/bi100-qwen36.yaml --rootfs ./rootfs --json
   toolkit diff recipes/bi100-qwen36.yaml --reference --stat      # against vllm==0.6.3.post1 from PyPI
   toolkit verify recipes/bi100-qwen36.yaml --rootfs ./rootfs
+  toolkit lint recipes/bi100-qwen36.yaml                         # exit 0 clean, 1 warnings (--strict), 2 errors
+  toolkit variants recipes/bi100-qwen36.yaml                     # the experiment grid, impossible ones dropped
 """
 
 
@@ -124,8 +130,45 @@ def cmd_verify(args: argparse.Namespace) -> int:
     loaded = load_recipe(args.recipe)
     roots, rootfs = _roots(loaded, args)
     report = verify_tree(loaded, roots, rootfs)
+    # a tree that verifies but whose recipe cannot start is not verified
+    lint_errors = tuple(i for i in lint(loaded, rootfs=rootfs).issues if i.severity is Severity.ERROR)
+    report = dataclasses.replace(report, issues=lint_errors)
     emit(report, as_json=args.json)
     return _exit(report)
+
+
+def cmd_lint(args: argparse.Namespace) -> int:
+    loaded = load_recipe(args.recipe)
+    recipe = loaded.recipe
+    if args.variant:
+        recipe = find_variant(recipe, args.variant).apply(recipe)
+    result = lint(loaded, recipe, variant=args.variant, rootfs=Path(args.rootfs) if args.rootfs else None)
+    issues = tuple(i for i in result.issues if args.verbose or i.severity is not Severity.INFO or i.rule == "kv-cache")
+    report = Report("lint", str(loaded.path), issues=issues, extra=result.data)
+    emit(report, as_json=args.json)
+    return result.exit_code(args.strict)
+
+
+def cmd_variants(args: argparse.Namespace) -> int:
+    loaded = load_recipe(args.recipe)
+    rows = []
+    entries = []
+    for variant in expand_variants(loaded.recipe):
+        result = lint(loaded, variant.apply(loaded.recipe), variant=variant.name)
+        blocking = [i for i in result.issues if i.severity is Severity.ERROR]
+        status = "DROPPED" if blocking else "ok"
+        rows.append((variant.name, variant.describe(), str(result.errors), str(result.warnings), status,
+                     "; ".join(f"{i.rule}: {i.message}" for i in blocking)))
+        entries.append({"name": variant.name, "args": variant.args, "env": variant.env, "status": status,
+                        "errors": result.errors, "warnings": result.warnings,
+                        "issues": [i.as_json() for i in result.issues if i.severity is not Severity.INFO]})
+    kept = sum(1 for e in entries if e["status"] == "ok")
+    report = Report("variants", str(loaded.path), columns=("variant", "overrides", "errors", "warnings", "status",
+                                                            "why dropped"), rows=tuple(rows),
+                    notes=(f"{kept} of {len(entries)} variant(s) can start; DROPPED ones fail lint with an error",),
+                    extra={"variants": entries})
+    emit(report, as_json=args.json)
+    return EXIT_OK
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -171,6 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check markers, post-states, compilation and line endings in every root")
     tree_args(p, reference=False)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("lint", help="catch configurations that cannot start (exit 0 clean, 1 warnings with "
+                       "--strict, 2 errors)")
+    p.add_argument("recipe", help="the recipe YAML")
+    p.add_argument("--variant", metavar="NAME", help="lint one variant (see `toolkit variants`)")
+    p.add_argument("--rootfs", metavar="DIR", help="also check against an extracted image (shadowing, remove_when)")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings")
+    p.add_argument("--verbose", action="store_true", help="show info-level notes too")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_lint)
+
+    p = sub.add_parser("variants", help="list the expanded experiment variants with the lint result of each")
+    p.add_argument("recipe", help="the recipe YAML")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_variants)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema (for editors)")
     p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")

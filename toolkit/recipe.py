@@ -56,13 +56,20 @@ class Hardware(Strict):
     vendor: str = Field(description="GPU vendor, e.g. iluvatar")
     accelerator: str = Field(description="Accelerator model, e.g. BI-V100")
     count: int = Field(ge=1, description="Accelerators per server")
-    memory_gb: float = Field(gt=0, description="Memory per accelerator in GB")
+    memory_gb: float = Field(gt=0, description="Memory per accelerator in GiB")
+    known_issues: list[Literal["cuda-graph-capture-hang"]] = Field(
+        default_factory=list, description="Failure modes known on this hardware (drive lint rules)")
+    runtime_overhead_gb: float = Field(
+        default=1.0, ge=0, description="Per-card memory outside vLLM's accounting (runtime, NCCL buffers), GiB")
 
 
 class BaseImage(Strict):
     reference: str = Field(min_length=1, description="The vendor image the submission builds FROM")
     python: str = Field(pattern=r"^3\.\d+$", description="Python version inside the image, e.g. 3.10")
     platform: str = Field(default="manylinux1_x86_64", description="Wheel platform tag of the image")
+    attention_backends: list[str] = Field(
+        default_factory=lambda: ["XFORMERS"],
+        description="Attention backends the image can load; the first is the one vLLM picks by default")
 
 
 class Vendor(Strict):
@@ -71,6 +78,11 @@ class Vendor(Strict):
     roots: list[str] = Field(min_length=1, description="Absolute site-packages folders inside the image")
     reference: str = Field(
         description="The public release (name==version) used to check transforms off-image, e.g. vllm==0.6.3.post1"
+    )
+    hardcoded: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Keyword arguments the vendor hard-codes -> the serving flags that do nothing until a "
+        "set-kwarg transform un-hardcodes them",
     )
 
     @field_validator("version")
@@ -343,6 +355,50 @@ class Serve(Strict):
     )
 
 
+class LinearAttention(Strict):
+    num_key_heads: int = Field(ge=1)
+    num_value_heads: int = Field(ge=1)
+    key_head_dim: int = Field(ge=1)
+    value_head_dim: int = Field(ge=1)
+    conv_kernel: int = Field(default=4, ge=1)
+
+
+class ModelShape(Strict):
+    """What the KV-cache estimate needs to know about the served model."""
+
+    params_b: float = Field(gt=0, description="Total parameters, billions (all experts)")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    hidden_size: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    full_attention_interval: int = Field(
+        default=1, ge=1, description="Layer i is full attention when (i + 1) % interval == 0; others are linear")
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    linear_attention: LinearAttention | None = None
+
+
+class Source(Strict):
+    """A pinned upstream the recipe builds on (the model adapter), and what it is known to add."""
+
+    name: str = Field(pattern=ID_PATTERN)
+    git: str = Field(description="Repository URL")
+    commit: str = Field(pattern=r"^[0-9a-f]{40}$", description="The pinned commit")
+    path: str | None = Field(default=None, description="Local checkout that overrides the URL")
+    deployed: bool = Field(default=False, description="Whether this recipe deploys its files into the image")
+    provides_flags: list[str] = Field(default_factory=list, description="Server flags its CLI module adds")
+    provides_tool_parsers: list[str] = Field(default_factory=list)
+
+
+class Overrides(Strict):
+    args: dict[str, ArgValue] = Field(default_factory=dict, description="Serve args to set (null removes one)")
+    env: dict[str, str | None] = Field(default_factory=dict, description="Env to set (null removes one)")
+
+
+class Matrix(Strict):
+    args: dict[str, list[ArgValue]] = Field(default_factory=dict, description="Serve arg -> values to try")
+    env: dict[str, list[str]] = Field(default_factory=dict, description="Env var -> values to try")
+
+
 class Checks(Strict):
     lf_only: list[str] = Field(
         default_factory=list, description="Globs (relative to each vendor root) of files that must be LF-only"
@@ -360,6 +416,20 @@ class Recipe(Strict):
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the server")
     serve: Serve
     checks: Checks = Field(default_factory=Checks)
+    model: ModelShape | None = Field(default=None, description="Model shape, for the KV-cache estimate")
+    sources: list[Source] = Field(default_factory=list, description="Pinned upstream sources")
+    variants: dict[str, Overrides] = Field(default_factory=dict, description="Named experiment variants")
+    matrix: Matrix | None = Field(default=None, description="Variants expanded as the product of these values")
+
+    @field_validator("variants")
+    @classmethod
+    def _variant_names(cls, variants: dict[str, Overrides]) -> dict[str, Overrides]:
+        import re
+
+        for name in variants:
+            if not re.match(ID_PATTERN, name) or name == "base":
+                raise ValueError(f"variant names are lowercase ids (and not 'base'), got {name!r}")
+        return variants
 
     @field_validator("env")
     @classmethod

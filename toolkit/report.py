@@ -7,9 +7,10 @@ import sys
 from typing import TextIO
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from toolkit.results import Report, State
+from toolkit.results import Report, Severity, State
 
 _STYLE = {
     State.APPLIED: "green",
@@ -18,6 +19,7 @@ _STYLE = {
     State.DRIFTED: "bold red",
     State.GATED_OFF: "dim",
 }
+_SEVERITY = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
 
 
 def emit(report: Report, *, as_json: bool, stream: TextIO | None = None) -> None:
@@ -43,16 +45,33 @@ def emit(report: Report, *, as_json: bool, stream: TextIO | None = None) -> None
         lines = {r.transform: r.recipe_line for r in report.results}
         for (transform, state, message), where in groups.items():
             table.add_row(transform, str(lines[transform] or ""), ",".join(where),
-                          f"[{_STYLE[state]}]{state.value}[/]", " ".join(message.split()))
+                          f"[{_STYLE[state]}]{state.value}[/]", escape(" ".join(message.split())))
         console.print(table)
         for root, name in short.items():
             if root in roots:
                 console.print(f"  {name} = {root}")
+    if report.rows:
+        table = Table(title=f"toolkit {report.verb}: {report.recipe}", expand=False)
+        for name in report.columns:
+            table.add_column(name, overflow="fold")
+        for row in report.rows:
+            table.add_row(*(escape(cell) for cell in row))
+        console.print(table)
+    for issue in report.issues:
+        location = f"{report.recipe}:{issue.line}" if issue.line else report.recipe
+        variant = escape(f" [variant {issue.variant}]") if issue.variant else ""
+        console.print(f"[{_SEVERITY[issue.severity]}]{issue.severity.value}[/] {issue.rule}{variant} {location}: "
+                      f"{escape(issue.message)}")
+        if issue.severity is not Severity.INFO:
+            console.print(f"  fix: {escape(issue.fix)}")
     for f in report.findings:
-        console.print(f"[bold red]FINDING[/] {f.check} {f.root} {f.file}: {f.message}")
+        console.print(f"[bold red]FINDING[/] {f.check} {f.root} {f.file}: {escape(f.message)}")
     for note in report.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {escape(note)}")
     counts = ", ".join(f"{report.count(s)} {s.value}" for s in State if report.count(s))
     verdict = "[green]ok[/]" if report.ok else "[bold red]FAILED[/]"
     findings = f", {len(report.findings)} finding(s)" if report.findings else ""
-    console.print(f"{verdict}: {counts or 'no transforms'}{findings}")
+    issues = ", ".join(f"{n} {s.value}(s)" for s in Severity
+                       if (n := sum(1 for i in report.issues if i.severity is s)))
+    summary = ", ".join(x for x in (counts, findings.lstrip(", "), issues) if x)
+    console.print(f"{verdict}: {summary or 'nothing to report'}")

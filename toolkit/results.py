@@ -50,6 +50,29 @@ class Finding:
         return asdict(self)
 
 
+class Severity(str, enum.Enum):
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+
+@dataclass(frozen=True)
+class Issue:
+    """A lint finding about the recipe itself."""
+
+    rule: str
+    severity: Severity
+    message: str
+    fix: str
+    line: int | None = None
+    variant: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["severity"] = self.severity.value
+        return data
+
+
 @dataclass(frozen=True)
 class Report:
     verb: str
@@ -58,10 +81,14 @@ class Report:
     findings: tuple[Finding, ...] = ()
     notes: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    issues: tuple[Issue, ...] = ()
+    columns: tuple[str, ...] = ()  # list-type verbs (variants) print these rows as a table
+    rows: tuple[tuple[str, ...], ...] = ()
 
     @property
     def ok(self) -> bool:
-        return all(r.state.ok for r in self.results) and not self.findings
+        return (all(r.state.ok for r in self.results) and not self.findings
+                and not any(i.severity is Severity.ERROR for i in self.issues))
 
     def count(self, state: State) -> int:
         return sum(1 for r in self.results if r.state is state)
@@ -74,6 +101,7 @@ class Report:
             "summary": {s.value: self.count(s) for s in State},
             "results": [r.as_json() for r in self.results],
             "findings": [f.as_json() for f in self.findings],
+            "issues": [i.as_json() for i in self.issues],
             "notes": list(self.notes),
             **self.extra,
         }

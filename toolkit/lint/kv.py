@@ -1,0 +1,91 @@
+"""A per-card memory estimate for serving: weights, KV cache, linear-attention state, activations.
+
+Only full-attention layers carry a KV cache that grows with context; linear-attention (GatedDeltaNet)
+layers keep a fixed state per sequence. vLLM gives the KV cache whatever is left of
+gpu_memory_utilization x card memory after weights and the profiling peak, and refuses to start
+when one max_model_len sequence does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from toolkit.recipe import ModelShape
+
+GIB = 1024**3
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 0, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# live hidden-sized buffers at the profiling peak (residual, norm outputs, attention and MoE intermediates):
+# a rule of thumb, not a measurement; the margin warning absorbs its error
+ACTIVATION_BUFFERS = 20
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class KvEstimate:
+    card_gib: float
+    budget_gib: float  # gpu_memory_utilization x card
+    weights_gib: float
+    activations_gib: float
+    overhead_gib: float
+    linear_state_gib: float  # all sequences
+    kv_per_token_bytes: int
+    kv_needed_gib: float  # one max_model_len sequence
+    kv_available_gib: float
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_available_gib >= self.kv_needed_gib
+
+    @property
+    def margin(self) -> float:
+        """Spare memory after one full-length sequence, as a fraction of the budget."""
+        return (self.kv_available_gib - self.kv_needed_gib) / self.budget_gib
+
+    @property
+    def full_length_sequences(self) -> float:
+        return self.kv_available_gib / self.kv_needed_gib if self.kv_needed_gib else float("inf")
+
+    def summary(self) -> str:
+        return (
+            f"per card: budget {self.budget_gib:.2f} GiB (of {self.card_gib:g}) = weights {self.weights_gib:.2f} "
+            f"+ activations {self.activations_gib:.2f} + overhead {self.overhead_gib:.2f} + linear-attention state "
+            f"{self.linear_state_gib:.3f} ({self.max_num_seqs} seqs) + KV available {self.kv_available_gib:.2f}; "
+            f"one {self.max_model_len}-token sequence needs {self.kv_needed_gib:.2f} GiB of KV "
+            f"({self.kv_per_token_bytes} B/token/card), room for {self.full_length_sequences:.1f}"
+        )
+
+    def as_json(self) -> dict[str, float | int | bool]:
+        data: dict[str, float | int | bool] = dict(asdict(self))
+        data.update(fits=self.fits, margin=round(self.margin, 4))
+        return data
+
+
+def estimate(model: ModelShape, *, card_gib: float, overhead_gib: float, tp: int, max_model_len: int,
+             max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
+             kv_cache_dtype: str = "auto") -> KvEstimate:
+    dtype = DTYPE_BYTES[model.dtype]
+    kv_dtype = DTYPE_BYTES.get(kv_cache_dtype, 0) or dtype
+    full_layers = sum(1 for i in range(model.num_layers) if (i + 1) % model.full_attention_interval == 0)
+    linear_layers = model.num_layers - full_layers
+    kv_heads = max(1, model.num_kv_heads // tp)  # vLLM replicates KV heads when TP exceeds them
+    per_token = full_layers * 2 * kv_heads * model.head_dim * kv_dtype
+    tokens = -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE
+    linear = 0
+    if model.linear_attention is not None and linear_layers:
+        la = model.linear_attention
+        state = (la.num_value_heads // tp) * la.key_head_dim * la.value_head_dim * 4  # fp32 recurrent state
+        channels = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+        conv = channels // tp * (la.conv_kernel - 1) * dtype
+        linear = linear_layers * (state + conv) * max_num_seqs
+    weights = model.params_b * 1e9 * dtype / tp
+    activations = max_num_batched_tokens * model.hidden_size * dtype * ACTIVATION_BUFFERS
+    budget = card_gib * GIB * gpu_memory_utilization
+    available = budget - weights - activations - overhead_gib * GIB - linear
+    return KvEstimate(
+        card_gib=card_gib, budget_gib=budget / GIB, weights_gib=weights / GIB, activations_gib=activations / GIB,
+        overhead_gib=overhead_gib, linear_state_gib=linear / GIB, kv_per_token_bytes=per_token,
+        kv_needed_gib=tokens * per_token / GIB, kv_available_gib=available / GIB,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+    )

@@ -1,0 +1,266 @@
+"""The lint rules: each learned from a configuration that failed at a slow remote start."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator
+
+from packaging.version import Version
+
+from toolkit.lint import LintContext, rule
+from toolkit.lint.kv import estimate
+from toolkit.lint.vllm_cli import (
+    flags_in_source,
+    python_files,
+    release_flags,
+    release_tool_parsers,
+    tool_parsers_in_source,
+)
+from toolkit.recipe import SourceTransform
+from toolkit.results import Issue, Severity
+
+E, W, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
+MULTI_STEP_BACKENDS = {"FLASH_ATTN", "ROCM_FLASH", "FLASHINFER"}
+# process-level variables that no recipe file has to read for them to matter
+WELL_KNOWN_ENV = ("PYTHON*", "LD_*", "PATH", "CUDA_*", "NCCL_*", "OMP_*", "MKL_*", "HF_*", "TRANSFORMERS_*",
+                  "TOKENIZERS_*", "TORCH_*", "PYTORCH_*", "VLLM_*", "HOME", "TMPDIR", "TZ", "LANG", "LC_*")
+PLACEHOLDERS = {"todo", "tbd", "fixme", "?", "-", "n/a", "none", "later", "unknown"}
+
+
+@rule("chunked-prefill-batch", E, "chunked prefill off while max_num_batched_tokens < max_model_len")
+def chunked_prefill_batch(ctx: LintContext) -> Iterator[Issue]:
+    max_len = ctx.int_arg("max-model-len")
+    batched = ctx.int_arg("max-num-batched-tokens")
+    if ctx.chunked_prefill_effective() or not max_len or batched is None or batched >= max_len:
+        return
+    yield Issue("chunked-prefill-batch", E,
+                f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({max_len}) with chunked "
+                "prefill off: vLLM refuses to start",
+                "enable chunked prefill, or raise max-num-batched-tokens to at least max-model-len",
+                ctx.line_of_arg("max-num-batched-tokens"))
+
+
+@rule("chunked-prefill-implicit", INFO, "vLLM 0.6 turns chunked prefill on by itself above 32K context")
+def chunked_prefill_implicit(ctx: LintContext) -> Iterator[Issue]:
+    max_len = ctx.int_arg("max-model-len")
+    if (ctx.chunked_prefill() is None and max_len and max_len > 32768
+            and ctx.vllm_version < Version("0.7")):
+        yield Issue("chunked-prefill-implicit", INFO,
+                    f"max_model_len {max_len} > 32768 on vLLM {ctx.vllm_version}: chunked prefill is enabled "
+                    "implicitly (max_num_batched_tokens defaults to 512 then)",
+                    "say so in the recipe: enable-chunked-prefill: true (or 'false' to turn it off)",
+                    ctx.line_of_arg("max-model-len"))
+
+
+@rule("bool-false-omits-flag", W, "a boolean false omits the flag instead of passing false")
+def bool_false(ctx: LintContext) -> Iterator[Issue]:
+    for name, value in ctx.args.items():
+        if value is False and name == "enable-chunked-prefill":
+            yield Issue("bool-false-omits-flag", W,
+                        "enable-chunked-prefill: false omits the flag, which leaves chunked prefill to vLLM's "
+                        "default (on above 32K context)",
+                        "write 'false' (a string) to pass --enable-chunked-prefill false", ctx.line_of_arg(name))
+
+
+@rule("multi-step-backend", E, "num_scheduler_steps > 1 on a backend without multi-step, or with chunked prefill")
+def multi_step(ctx: LintContext) -> Iterator[Issue]:
+    steps = ctx.int_arg("num-scheduler-steps", 1) or 1
+    if steps <= 1:
+        return
+    backend = ctx.attention_backend()
+    line = ctx.line_of_arg("num-scheduler-steps")
+    if backend not in MULTI_STEP_BACKENDS:
+        yield Issue("multi-step-backend", E,
+                    f"num_scheduler_steps {steps} (multi-step) is not supported on the {backend} attention backend "
+                    f"(only {', '.join(sorted(MULTI_STEP_BACKENDS))})",
+                    "remove num-scheduler-steps (or set it to 1)", line)
+        if ctx.chunked_prefill_effective():
+            yield Issue("multi-step-backend", E,
+                        f"multi-step together with chunked prefill is not supported on {backend}",
+                        "drop num-scheduler-steps, or turn chunked prefill off", line)
+
+
+@rule("attention-backend", E, "a forced attention backend the image cannot load")
+def attention_backend(ctx: LintContext) -> Iterator[Issue]:
+    forced = ctx.recipe.env.get("VLLM_ATTENTION_BACKEND")
+    if forced and forced not in ctx.recipe.base_image.attention_backends:
+        yield Issue("attention-backend", E,
+                    f"VLLM_ATTENTION_BACKEND={forced} but the image can load only "
+                    f"{', '.join(ctx.recipe.base_image.attention_backends)}: the server fails at start",
+                    "remove VLLM_ATTENTION_BACKEND, or list the backend in base_image.attention_backends once the "
+                    "image ships it", ctx.line_of_env("VLLM_ATTENTION_BACKEND"))
+
+
+@rule("cuda-graphs", E, "CUDA graphs on hardware where capture hangs; flags the vendor hard-codes")
+def cuda_graphs(ctx: LintContext) -> Iterator[Issue]:
+    hardcoded = ctx.recipe.vendor.hardcoded
+    for kwarg, flags in hardcoded.items():
+        if ctx.unhardcoded(kwarg):
+            continue
+        for flag in flags:
+            if flag in ctx.args and ctx.args[flag] not in (None, False):
+                yield Issue("cuda-graphs", W,
+                            f"--{flag} has no effect: the vendor hard-codes {kwarg} and no set-kwarg transform "
+                            "in this recipe un-hardcodes it",
+                            f"add a set-kwarg transform for {kwarg}, or drop --{flag}", ctx.line_of_arg(flag))
+    if "cuda-graph-capture-hang" not in ctx.recipe.hardware.known_issues or ctx.has_flag("enforce-eager"):
+        return
+    forced_eager = "enforce_eager" in hardcoded and not ctx.unhardcoded("enforce_eager")
+    if not forced_eager:
+        why = ("the recipe un-hardcodes enforce_eager, so without --enforce-eager vLLM captures CUDA graphs"
+               if "enforce_eager" in hardcoded else "without --enforce-eager vLLM captures CUDA graphs")
+        yield Issue("cuda-graphs", E,
+                    f"CUDA graph capture hangs or runs out of memory on {ctx.recipe.hardware.accelerator} "
+                    f"(TP {ctx.int_arg('tensor-parallel-size', 1)}): {why}",
+                    "add enforce-eager: true to serve.args", ctx.loaded.line_of("serve", "args"))
+
+
+@rule("context-length", E, "max_model_len below what the workload needs")
+def context_length(ctx: LintContext) -> Iterator[Issue]:
+    need = ctx.recipe.serve.workload.get("min_context_tokens")
+    max_len = ctx.int_arg("max-model-len")
+    if need and max_len is None:
+        yield Issue("context-length", W, f"the workload needs more than {need} tokens of context but "
+                    "max-model-len is not set (the model's own limit applies)",
+                    f"set max-model-len above {need}", ctx.loaded.line_of("serve", "args"))
+    elif need and max_len is not None and max_len <= need:
+        yield Issue("context-length", E, f"max_model_len {max_len} does not exceed the workload's {need} tokens",
+                    f"set max-model-len above {need} (245000 is used)", ctx.line_of_arg("max-model-len"))
+
+
+@rule("kv-cache", E, "the KV cache for one max-length sequence must fit per card")
+def kv_cache(ctx: LintContext) -> Iterator[Issue]:
+    model = ctx.recipe.model
+    max_len = ctx.int_arg("max-model-len")
+    line = ctx.loaded.line_of("model") or ctx.loaded.line_of("serve", "args")
+    if model is None or max_len is None:
+        yield Issue("kv-cache", INFO, "KV-cache estimate skipped: " + (
+            "the recipe declares no model shape" if model is None else "max-model-len is not set"),
+            "add a `model:` section and max-model-len to get the per-card estimate", line)
+        return
+    hw = ctx.recipe.hardware
+    est = estimate(model, card_gib=hw.memory_gb, overhead_gib=hw.runtime_overhead_gb,
+                   tp=ctx.int_arg("tensor-parallel-size", 1) or 1, max_model_len=max_len,
+                   max_num_seqs=ctx.int_arg("max-num-seqs", 256) or 256,
+                   max_num_batched_tokens=ctx.max_num_batched_tokens() or max_len,
+                   gpu_memory_utilization=ctx.float_arg("gpu-memory-utilization", 0.9),
+                   kv_cache_dtype=str(ctx.arg("kv-cache-dtype") or "auto"))
+    ctx.extra["kv_estimate"] = est.as_json()
+    if not est.fits:
+        yield Issue("kv-cache", E, f"the KV cache cannot hold one {max_len}-token sequence: {est.summary()}",
+                    "lower max-model-len or max-num-batched-tokens, raise gpu-memory-utilization, or add cards (TP)",
+                    ctx.line_of_arg("max-model-len"))
+    elif est.margin < 0.10:
+        yield Issue("kv-cache", W, f"thin memory margin ({est.margin:.1%} of the budget): {est.summary()}",
+                    "leave at least 10% spare: a leftover worker process or a larger prefill runs out of memory",
+                    ctx.line_of_arg("max-model-len"))
+    else:
+        yield Issue("kv-cache", INFO, est.summary(), "nothing to do", ctx.line_of_arg("max-model-len"))
+
+
+def _known_flags(ctx: LintContext) -> tuple[set[str], set[str], dict[str, str]]:
+    """Flags from the reference release and from deployed files; flags only a declared source claims."""
+    tree = ctx.reference_tree
+    flags = release_flags(tree) if tree else set()
+    parsers = release_tool_parsers(tree) if tree else set()
+    for _, text in python_files(ctx.deployed_paths):
+        flags |= flags_in_source(text)
+        parsers |= tool_parsers_in_source(text)
+    claimed: dict[str, str] = {}
+    for source in ctx.recipe.sources:
+        for flag in source.provides_flags:
+            claimed.setdefault(flag.lstrip("-"), source.name)
+        for parser in source.provides_tool_parsers:
+            claimed.setdefault("parser:" + parser, source.name)
+    return flags, parsers, claimed
+
+
+@rule("unknown-flag", E, "serving flags and tool parsers the pinned vLLM does not know")
+def unknown_flags(ctx: LintContext) -> Iterator[Issue]:
+    flags, parsers, claimed = _known_flags(ctx)
+    if ctx.reference_tree is None:
+        yield Issue("unknown-flag", W, f"flags not checked: {ctx.extra.get('reference_error')}",
+                    f"make {ctx.recipe.vendor.reference} downloadable (pip) or cached, then lint again",
+                    ctx.loaded.line_of("vendor", "reference"))
+        return
+    ref = ctx.recipe.vendor.reference
+    for name in ctx.args:
+        if name in flags:
+            continue
+        source = claimed.get(name)
+        if source is not None:
+            yield Issue("unknown-flag", W, f"--{name} is unknown to {ref}; only source {source!r} claims to add it, "
+                        "and this recipe does not deploy that source's files yet",
+                        f"deploy {source}'s CLI module (or drop --{name}) before launching",
+                        ctx.line_of_arg(name))
+        else:
+            yield Issue("unknown-flag", E, f"--{name} is not a flag of {ref} nor of any file this recipe deploys: "
+                        "the server exits with 'unrecognized arguments'",
+                        "fix the spelling, or deploy the module that adds it", ctx.line_of_arg(name))
+    parser = ctx.arg("tool-call-parser")
+    if isinstance(parser, str) and parser not in parsers:
+        source = claimed.get("parser:" + parser)
+        severity = W if source else E
+        detail = (f"only source {source!r} claims it and is not deployed yet" if source
+                  else f"known: {', '.join(sorted(parsers))}")
+        yield Issue("unknown-flag", severity, f"tool parser {parser!r} is not registered in {ref} ({detail})",
+                    "deploy the parser module, or pick a registered parser", ctx.line_of_arg("tool-call-parser"))
+
+
+@rule("env-unread", W, "env switches that no transform or deployed file reads")
+def env_unread(ctx: LintContext) -> Iterator[Issue]:
+    switches = {getattr(t, "switch", "") for t in ctx.recipe.transforms}
+    texts = [text for _, text in python_files(ctx.deployed_paths)]
+    for name in ctx.recipe.env:
+        if name in switches or any(fnmatch.fnmatch(name, p) for p in WELL_KNOWN_ENV):
+            continue
+        if any(f'"{name}"' in t or f"'{name}'" in t for t in texts):
+            continue
+        yield Issue("env-unread", W, f"env {name} is read by no dispatch and no file this recipe deploys",
+                    "remove it, or add the dispatch/deploy that reads it", ctx.line_of_env(name))
+
+
+@rule("provenance", W, "transforms whose provenance is a placeholder, or whose remove_when now holds")
+def provenance(ctx: LintContext) -> Iterator[Issue]:
+    for index, t in enumerate(ctx.recipe.transforms):
+        for field_name in ("why", "remove_when"):
+            text = getattr(t, field_name).strip()
+            if text.lower().rstrip(".") in PLACEHOLDERS or len(text) < 8:
+                yield Issue("provenance", W, f"transform {t.id}: {field_name} is a placeholder ({text!r})",
+                            f"say {'why the change is needed' if field_name == 'why' else 'when it can go'}",
+                            ctx.loaded.line_of("transforms", index, field_name))
+    if ctx.rootfs is None:
+        return
+    from toolkit.engine import Engine
+    from toolkit.errors import ToolkitError
+    from toolkit.results import State
+    from toolkit.sources import rootfs_roots
+
+    try:
+        plan = Engine(ctx.loaded, rootfs_roots(ctx.recipe, ctx.rootfs), ctx.rootfs).run()
+    except ToolkitError as exc:
+        yield Issue("provenance", W, f"remove_when not checked against {ctx.rootfs}: {exc.message}",
+                    exc.hint or "fix the vendor tree", None)
+        return
+    for index, t in enumerate(ctx.recipe.transforms):
+        if any(r.transform == t.id and r.state is State.SUPERSEDED for r in plan.results):
+            yield Issue("provenance", W, f"transform {t.id} is SUPERSEDED in {ctx.rootfs}: its remove_when "
+                        f"({t.remove_when!r}) appears to hold",
+                        "drop the transform once the new base image is the one you ship",
+                        ctx.loaded.transform_line(index))
+
+
+@rule("workdir-shadow", E, "a working directory with a vllm/ folder imports the unpatched copy")
+def workdir(ctx: LintContext) -> Iterator[Issue]:
+    wd = ctx.recipe.serve.workdir.rstrip("/") or "/"
+    line = ctx.loaded.line_of("serve", "workdir") or ctx.loaded.line_of("serve")
+    package = ctx.recipe.vendor.package
+    if any(wd == root.rstrip("/") for root in ctx.recipe.vendor.roots):
+        yield Issue("workdir-shadow", E, f"serve.workdir {wd} is a vendor root: its {package}/ shadows the patched "
+                    "import order", "start from a neutral folder such as /workspace", line)
+    elif ctx.rootfs is not None and (ctx.rootfs / wd.lstrip("/") / package).is_dir():
+        yield Issue("workdir-shadow", E, f"serve.workdir {wd} contains a {package}/ folder in the image: Python "
+                    "imports it before the patched site-packages", "start from a neutral folder", line)
+    if any(isinstance(t, SourceTransform) for t in ctx.recipe.transforms) and wd in ("/", ""):
+        yield Issue("workdir-shadow", W, "serve.workdir is /: a stray vllm/ at the image root would shadow "
+                    "the patched package", "use a dedicated empty folder such as /workspace", line)
