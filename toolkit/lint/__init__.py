@@ -173,8 +173,6 @@ class LintResult:
 
 def lint(loaded: LoadedRecipe, recipe: Recipe | None = None, *, variant: str | None = None,
          rootfs: Path | None = None) -> LintResult:
-    from toolkit.lint import rules  # noqa: F401  (registers the rules)
-
     ctx = LintContext(loaded, recipe or loaded.recipe, variant, rootfs)
     issues: list[Issue] = []
     for info in RULES.values():
@@ -183,3 +181,7 @@ def lint(loaded: LoadedRecipe, recipe: Recipe | None = None, *, variant: str | N
     order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
     issues.sort(key=lambda i: (order[i.severity], i.line or 0, i.rule))
     return LintResult(tuple(issues), dict(ctx.extra))
+
+
+# the rules register themselves in RULES on import; they need the definitions above
+from toolkit.lint import rules as _rules  # noqa: E402, F401

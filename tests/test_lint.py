@@ -1,0 +1,227 @@
+"""Every lint rule fires on a configuration that cannot start and stays quiet on one that can."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import FLAGSHIP, REPO
+
+from toolkit.lint import RULES, lint
+from toolkit.recipe import load_recipe
+from toolkit.results import Severity
+
+BASE: dict[str, Any] = yaml.safe_load(FLAGSHIP.read_text())
+PRIOR_ART = sorted((REPO / "tests" / "recipes").glob("prior-*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def _reference(vllm_063: Path) -> None:
+    """The unknown-flag rule reads vLLM 0.6.3.post1's argument parser from source."""
+
+
+def write(tmp_path: Path, mutate: Callable[[dict[str, Any]], None], name: str = "r.yaml") -> Path:
+    data = copy.deepcopy(BASE)
+    data["patches"] = str(REPO / "patches" / "src")
+    mutate(data)
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def issues_of(path: Path, rule: str, rootfs: Path | None = None) -> list[Any]:
+    return [i for i in lint(load_recipe(path), rootfs=rootfs).issues if i.rule == rule]
+
+
+def set_args(**kwargs: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(data: dict[str, Any]) -> None:
+        for key, value in kwargs.items():
+            key = key.replace("_", "-")
+            if value is None:
+                data["serve"]["args"].pop(key, None)
+            else:
+                data["serve"]["args"][key] = value
+
+    return mutate
+
+
+def both(*mutations: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def mutate(data: dict[str, Any]) -> None:
+        for m in mutations:
+            m(data)
+
+    return mutate
+
+
+def set_env(**env: str) -> Callable[[dict[str, Any]], None]:
+    return lambda data: data["env"].update(env)
+
+
+def drop_transform(tid: str) -> Callable[[dict[str, Any]], None]:
+    return lambda data: data.__setitem__("transforms", [t for t in data["transforms"] if t["id"] != tid])
+
+
+# (rule, severity it must report, mutation that fires it, mutation that must not)
+CASES: list[tuple[str, Severity, Callable[[dict[str, Any]], None], Callable[[dict[str, Any]], None]]] = [
+    ("chunked-prefill-batch", Severity.ERROR,
+     set_args(enable_chunked_prefill="false", max_num_batched_tokens=8192),
+     set_args(enable_chunked_prefill="false", max_num_batched_tokens=245000)),
+    ("chunked-prefill-implicit", Severity.INFO, set_args(enable_chunked_prefill=None), set_args()),
+    ("bool-false-omits-flag", Severity.WARNING, set_args(enable_chunked_prefill=False),
+     set_args(enable_chunked_prefill="false", max_num_batched_tokens=245000)),
+    ("multi-step-backend", Severity.ERROR, set_args(num_scheduler_steps=8), set_args(num_scheduler_steps=1)),
+    ("attention-backend", Severity.ERROR, set_env(VLLM_ATTENTION_BACKEND="FLASHINFER"),
+     set_env(VLLM_ATTENTION_BACKEND="XFORMERS")),
+    ("cuda-graphs", Severity.ERROR, set_args(enforce_eager=None), set_args()),
+    ("context-length", Severity.ERROR, set_args(max_model_len=100000), set_args(max_model_len=245000)),
+    ("kv-cache", Severity.ERROR, set_args(gpu_memory_utilization=0.6), set_args(gpu_memory_utilization=0.92)),
+    ("unknown-flag", Severity.ERROR, set_args(max_num_seq=4),
+     set_args(max_num_seqs=4, reasoning_parser=None, tool_call_parser="hermes")),
+    ("env-unread", Severity.WARNING, set_env(MOE_NATIVE_TYPO="1"), set_env(PYTHONUNBUFFERED="1")),
+    ("provenance", Severity.WARNING,
+     lambda d: d["transforms"][0].__setitem__("why", "TODO"), lambda d: None),
+    ("workdir-shadow", Severity.ERROR,
+     lambda d: d["serve"].__setitem__("workdir", "/usr/local/corex/lib/python3/dist-packages"),
+     lambda d: d["serve"].__setitem__("workdir", "/workspace")),
+]
+
+
+def test_every_rule_has_a_case() -> None:
+    assert {c[0] for c in CASES} == set(RULES)
+
+
+@pytest.mark.parametrize("rule,severity,fire,quiet", CASES, ids=[c[0] for c in CASES])
+def test_rule_fires(tmp_path: Path, rule: str, severity: Severity, fire, quiet) -> None:  # type: ignore[no-untyped-def]
+    found = issues_of(write(tmp_path, fire), rule)
+    assert any(i.severity is severity for i in found), found
+    for issue in found:
+        assert issue.line is not None and issue.fix
+
+
+@pytest.mark.parametrize("rule,severity,fire,quiet", CASES, ids=[c[0] for c in CASES])
+def test_rule_stays_quiet(tmp_path: Path, rule: str, severity: Severity, fire, quiet) -> None:  # type: ignore[no-untyped-def]
+    found = [i for i in issues_of(write(tmp_path, quiet), rule) if i.severity is not Severity.INFO]
+    assert found == []
+
+
+def test_flagship_lints_without_errors_and_says_what_it_waits_for() -> None:
+    result = lint(load_recipe(FLAGSHIP))
+    assert result.errors == 0
+    warnings = [i for i in result.issues if i.severity is Severity.WARNING]
+    assert {i.rule for i in warnings} == {"unknown-flag"}
+    assert all("qwen36-adapter" in i.message for i in warnings)
+
+
+def test_kv_estimate_numbers_for_the_flagship() -> None:
+    result = lint(load_recipe(FLAGSHIP))
+    kv = result.data["kv_estimate"]
+    assert kv["kv_per_token_bytes"] == 10 * 2 * 1 * 256 * 2  # 10 full layers, K+V, 1 KV head/card, 256, bf16
+    assert kv["weights_gib"] == pytest.approx(35e9 * 2 / 4 / 2**30)
+    assert kv["kv_needed_gib"] == pytest.approx(245008 * 10240 / 2**30)
+    assert kv["fits"] is True and 0.10 < kv["margin"] < 0.5
+    assert kv["budget_gib"] == pytest.approx(32 * 0.92)
+
+
+def test_kv_warning_on_thin_margin(tmp_path: Path) -> None:
+    found = issues_of(write(tmp_path, set_args(gpu_memory_utilization=0.72)), "kv-cache")
+    assert [i.severity for i in found] == [Severity.WARNING]
+    assert "thin memory margin" in found[0].message and "GiB" in found[0].message
+
+
+def test_flag_added_by_a_deployed_file_is_known(tmp_path: Path) -> None:
+    patches = tmp_path / "patches"
+    (patches / "cli").mkdir(parents=True)
+    (patches / "cli" / "args.py").write_text(
+        'def extend(parser):\n    parser.add_argument("--my-flag", type=int)\n\n'
+        '@ToolParserManager.register_module(["my_parser"])\nclass P: ...\n')
+
+    def mutate(data: dict[str, Any]) -> None:
+        data["transforms"].append({"id": "deploy-cli", "kind": "deploy", "source": "cli", "dest": "toolkit_cli",
+                                   "why": "adds --my-flag", "remove_when": "vLLM has the flag"})
+        data["serve"]["args"].update({"my-flag": 3, "tool-call-parser": "my_parser"})
+
+    path = write(tmp_path, mutate)
+    text = path.read_text().replace(str(REPO / "patches" / "src"), str(patches))
+    for name in ("native_fastpaths", "chat_templates"):
+        (patches / name).symlink_to(REPO / "patches" / "src" / name)
+    path.write_text(text)
+    found = issues_of(path, "unknown-flag")
+    assert not [i for i in found if "my-flag" in i.message or "my_parser" in i.message]
+
+
+def test_hardcoded_flag_without_unhardcode_warns(tmp_path: Path) -> None:
+    found = issues_of(write(tmp_path, drop_transform("unhardcode-enforce-eager")), "cuda-graphs")
+    assert [i.severity for i in found] == [Severity.WARNING]
+    assert "--enforce-eager has no effect" in found[0].message
+    # and with the vendor forcing eager, leaving the flag out cannot enable CUDA graphs
+    quiet = write(tmp_path, both(drop_transform("unhardcode-enforce-eager"), set_args(enforce_eager=None)), "q.yaml")
+    assert issues_of(quiet, "cuda-graphs") == []
+
+
+def test_remove_when_holds_in_a_newer_image(tmp_path: Path, corex_rootfs: Path) -> None:
+    for root in ("usr/local/corex/lib/python3/dist-packages", "usr/local/corex/lib64/python3/dist-packages"):
+        path = corex_rootfs / root / "vllm/engine/arg_utils.py"
+        path.write_text(path.read_text().replace("enforce_eager=True,", "enforce_eager=self.enforce_eager,"))
+    found = issues_of(FLAGSHIP, "provenance", rootfs=corex_rootfs)
+    assert [i.message.split(":")[0] for i in found] == ["transform unhardcode-enforce-eager is SUPERSEDED in "
+                                                        f"{corex_rootfs}"]
+
+
+def test_workdir_with_vllm_folder_in_the_image(tmp_path: Path, corex_rootfs: Path) -> None:
+    (corex_rootfs / "workspace" / "vllm").mkdir(parents=True)
+    found = issues_of(FLAGSHIP, "workdir-shadow", rootfs=corex_rootfs)
+    assert [i.severity for i in found] == [Severity.ERROR]
+
+
+@pytest.mark.parametrize("path", PRIOR_ART, ids=[p.stem for p in PRIOR_ART])
+def test_prior_art_failures_are_caught(cli, path: Path) -> None:
+    expected = path.read_text().splitlines()[1].split("must report: ")[1]
+    rule = expected.split()[0]
+    result = cli("lint", path, "--json")
+    assert result.code == 2
+    errors = [i for i in result.json()["issues"] if i["severity"] == "error"]
+    assert [i["rule"] for i in errors] == [rule] * (2 if "twice" in expected else 1), errors
+
+
+def test_lint_exit_codes(cli, tmp_path: Path) -> None:
+    assert cli("lint", FLAGSHIP).code == 0
+    assert cli("lint", FLAGSHIP, "--strict").code == 1  # the adapter warnings
+    assert cli("lint", write(tmp_path, set_args(num_scheduler_steps=8))).code == 2
+
+
+def test_variants_drop_impossible_combinations(cli) -> None:
+    result = cli("variants", FLAGSHIP, "--json")
+    assert result.code == 0
+    variants = {v["name"]: v for v in result.json()["variants"]}
+    assert len(variants) == 1 + 1 + 3 * 3 * 2
+    assert variants["base"]["status"] == "ok" and variants["no-sdpa-fallback"]["status"] == "ok"
+    dropped = {n for n, v in variants.items() if v["status"] == "DROPPED"}
+    assert dropped == {n for n in variants if n.endswith("ecp-false")}
+    assert all(v["issues"][0]["rule"] == "chunked-prefill-batch" for n, v in variants.items() if n in dropped)
+    assert variants["mnbt-16384_mns-2_ecp-true"]["args"] == {
+        "max-num-batched-tokens": 16384, "max-num-seqs": 2, "enable-chunked-prefill": "true"}
+
+
+def test_lint_one_variant(cli) -> None:
+    bad = cli("lint", FLAGSHIP, "--variant", "mnbt-8192_mns-1_ecp-false", "--json")
+    assert bad.code == 2
+    issue = next(i for i in bad.json()["issues"] if i["severity"] == "error")
+    assert issue["variant"] == "mnbt-8192_mns-1_ecp-false"
+    assert issue["line"] == next(i + 1 for i, ln in enumerate(FLAGSHIP.read_text().splitlines())
+                                 if "max-num-batched-tokens: [8192" in ln)
+    missing = cli("lint", FLAGSHIP, "--variant", "nope")
+    assert missing.code == 2 and "no variant 'nope'" in missing.err
+
+
+def test_verify_refuses_a_recipe_with_lint_errors(cli, tmp_path: Path, corex_rootfs: Path) -> None:
+    bad = write(tmp_path, set_args(num_scheduler_steps=8))
+    assert cli("apply", bad, "--rootfs", corex_rootfs).code == 0
+    result = cli("verify", bad, "--rootfs", corex_rootfs, "--json")
+    assert result.code == 1
+    assert {i["rule"] for i in result.json()["issues"]} == {"multi-step-backend"}
+    assert json.loads(cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, "--json").out)["issues"] == []
