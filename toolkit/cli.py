@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +18,10 @@ from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
 from toolkit.report import emit
 from toolkit.results import Report, Severity, State
 from toolkit.sources import Root, reference_root, rootfs_roots
+from toolkit.submission import build as build_submission
+from toolkit.submission import build_all_variants
+from toolkit.submission import push as push_submission
+from toolkit.submission_verify import verify_submission
 from toolkit.variants import expand as expand_variants
 from toolkit.variants import find as find_variant
 from toolkit.verify import verify_tree
@@ -30,6 +35,8 @@ exit codes:
   4  --strict only: a transform is SUPERSEDED (the patch may be removable)
 
 examples:
+  toolkit build recipes/bi100-qwen36.yaml -o ../submission      # the repository the platform builds
+  toolkit verify ../submission                                   # LF, linters, run config, payload
   toolkit apply recipes/bi100-qwen36.yaml --rootfs /            # inside the image
   toolkit apply recipes/bi100-qwen36.yaml --rootfs ./rootfs --json
   toolkit diff recipes/bi100-qwen36.yaml --reference --stat      # against vllm==0.6.3.post1 from PyPI
@@ -126,7 +133,65 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return _exit(report)
 
 
+def cmd_build(args: argparse.Namespace) -> int:
+    loaded = load_recipe(args.recipe)
+    outdir = Path(args.output)
+    started = time.monotonic()
+    notes: list[str] = []
+    rows: list[tuple[str, ...]] = []
+    if args.all_variants:
+        grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches)
+        built, branches = grid.built, grid.branches
+        rows = [(v.name, "written", v.describe()) for v in grid.kept]
+        rows += [(v.name, "DROPPED", "; ".join(f"{e.rule}: {e.message}" for e in errs)) for v, errs in grid.dropped]
+        notes.append(f"{len(grid.kept)} variant(s) kept (run configs under variants/), {len(grid.dropped)} dropped "
+                     "by lint" + (f"; {len(branches) - 1} variant branch(es)" if args.branches else ""))
+    else:
+        recipe = find_variant(loaded.recipe, args.variant).apply(loaded.recipe) if args.variant else loaded.recipe
+        built = build_submission(loaded, recipe, outdir, variant=args.variant, force=args.force)
+        branches = [built.branch]
+    build_seconds = time.monotonic() - started
+    if args.push:
+        push_submission(outdir, args.push, branches)
+        notes.append(f"pushed {', '.join(branches)} to {args.push}")
+    verified = verify_submission(outdir)
+    extra: dict[str, object] = {}
+    if args.image and verified.ok:
+        from toolkit.image import image_flow  # the Docker SDK is needed only here
+
+        image_started = time.monotonic()
+        extra = image_flow(outdir, args.image)
+        notes.append(f"image {args.image}: built, verified inside, {extra['compared_files']} patched file(s) "
+                     f"byte-identical to a host apply ({time.monotonic() - image_started:.1f} s)")
+    notes.insert(0, f"{outdir}: commit {built.commit[:12]}, tree {built.tree}, {built.files} file(s), "
+                    f"built in {build_seconds:.1f} s")
+    report = Report("build", str(loaded.path), findings=verified.findings, notes=(*notes, *verified.notes),
+                    columns=("variant", "status", "detail") if rows else (), rows=tuple(rows),
+                    extra={"outdir": str(outdir), "commit": built.commit, "tree": built.tree,
+                           "branches": branches, **extra})
+    emit(report, as_json=args.json)
+    return _exit(report)
+
+
+def cmd_vendor_pull(args: argparse.Namespace) -> int:
+    from toolkit.image import vendor_pull
+
+    loaded = load_recipe(args.recipe)
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()):
+        raise ToolkitError(f"{out} is not empty", hint="pull into a new folder")
+    roots = vendor_pull(loaded, out, args.image)
+    report = Report("vendor pull", str(loaded.path), notes=(f"{len(roots)} root(s) extracted into {out}: "
+                                                          + ", ".join(roots),), extra={"roots": roots})
+    emit(report, as_json=args.json)
+    return EXIT_OK
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if Path(args.recipe).is_dir():
+        report = verify_submission(Path(args.recipe))
+        emit(report, as_json=args.json)
+        return _exit(report)
     loaded = load_recipe(args.recipe)
     roots, rootfs = _roots(loaded, args)
     report = verify_tree(loaded, roots, rootfs)
@@ -211,7 +276,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stat", action="store_true", help="one line per transform and the state table")
     p.set_defaults(func=cmd_diff)
 
-    p = sub.add_parser("verify", help="check markers, post-states, compilation and line endings in every root")
+    p = sub.add_parser("build", help="write and commit the submission repository (Dockerfile, run config, payload)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="the recipe YAML, e.g. recipes/bi100-qwen36.yaml")
+    p.add_argument("-o", "--output", required=True, metavar="OUTDIR", help="the submission repository to create")
+    p.add_argument("--variant", metavar="NAME", help="build one variant (see `toolkit variants`)")
+    p.add_argument("--all-variants", action="store_true",
+                   help="the base submission plus one run config per variant that lints clean")
+    p.add_argument("--branches", action="store_true", help="with --all-variants: one branch per variant too")
+    p.add_argument("--push", metavar="URL", help="push the branch(es) to this git remote")
+    p.add_argument("--force", action="store_true", help="replace OUTDIR if it exists")
+    p.add_argument("--image", metavar="TAG", help="also docker-build the image (DOCKER_HOST or the default socket), "
+                   "verify inside it and compare its patched files with a host apply")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("vendor", help="`vendor pull`: extract the recipe's vendor roots from the base image")
+    vendor_sub = p.add_subparsers(dest="vendor_verb", required=True, metavar="ACTION")
+    pull = vendor_sub.add_parser("pull", help="extract the vendor roots into a rootfs folder for apply/diff/verify")
+    pull.add_argument("recipe", help="the recipe YAML")
+    pull.add_argument("-o", "--output", required=True, metavar="DIR", help="the rootfs folder to create")
+    pull.add_argument("--image", metavar="TAG", help="pull from this image instead of the recipe's base image")
+    pull.add_argument("--json", action="store_true", help="print the report as JSON")
+    pull.set_defaults(func=cmd_vendor_pull)
+
+    p = sub.add_parser("verify", help="check a vendor tree (RECIPE --rootfs DIR) or a submission repository "
+                       "(OUTDIR): markers, post-states, line endings, linters, run config, payload")
     tree_args(p, reference=False)
     p.set_defaults(func=cmd_verify)
 

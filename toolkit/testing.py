@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 COREX_VERSION = "0.6.3+corex.3.2.3"
@@ -123,3 +124,75 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# -- a local stand-in for the vendor base image (tests with a real Docker engine) -------------------
+
+# Debian's python3.11 and what it needs to run, unpacked with dpkg-deb: no registry is reachable
+# from the engine, so base images are made from local files and `docker import`ed.
+DEBIAN_PYTHON_PACKAGES = (
+    "python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib", "python3.11", "media-types",
+    "libc6", "libexpat1", "zlib1g", "bash", "libtinfo6", "coreutils", "libssl3", "libffi8", "libselinux1",
+    "libpcre2-8-0", "libacl1", "libattr1", "libgmp10", "libcap2", "libzstd1", "liblzma5", "libbz2-1.0",
+    "libncursesw6", "libreadline8", "libsqlite3-0", "libuuid1", "libcrypt1", "libtirpc3", "libnsl2", "libdb5.3",
+    "libgssapi-krb5-2", "libkrb5-3", "libk5crypto3", "libcom-err2", "libkrb5support0", "libkeyutils1",
+    "libgcc-s1", "libstdc++6",
+)
+
+
+def debian_python_rootfs() -> Path:
+    """Debian's Python 3.11 unpacked into a folder (cached): the base of the stand-in vendor image."""
+    import subprocess
+    import tempfile
+
+    from toolkit.sources import cache_dir
+
+    target = cache_dir() / "docker-base" / "debian-python3.11"
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        debs, root = Path(tmp) / "debs", Path(tmp) / "root"
+        debs.mkdir()
+        proc = subprocess.run(["apt-get", "download", *DEBIAN_PYTHON_PACKAGES], cwd=debs, capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"apt-get download failed (run `apt-get update` first): {proc.stderr[-2000:]}")
+        for deb in sorted(debs.glob("*.deb")):
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+        (root / "usr/bin/python3").unlink(missing_ok=True)
+        os.symlink("python3.11", root / "usr/bin/python3")
+        (root / "tmp").mkdir(exist_ok=True)
+        os.chmod(root / "tmp", 0o1777)
+        (root / ".complete").write_text("ok\n")
+        if target.exists():
+            shutil.rmtree(target)
+        root.rename(target)
+    return target
+
+
+def make_base_image(tag: str, reference: Path, *, edit: Callable[[Path], None] | None = None) -> str:
+    """A CoreX-like image: Debian's Python plus the vLLM files under both CoreX roots; `edit` may drift it."""
+    import io
+    import tarfile
+    import tempfile
+
+    import docker
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rootfs = Path(tmp) / "rootfs"
+        shutil.copytree(debian_python_rootfs(), rootfs, symlinks=True)
+        (rootfs / ".complete").unlink()
+        make_rootfs(reference, rootfs)
+        if edit is not None:
+            edit(rootfs)
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            tar.add(rootfs, arcname=".")
+        # the vendor image puts its site-packages on PYTHONPATH; lib64 first, as CoreX does
+        pythonpath = ":".join(reversed(COREX_ROOTS))
+        api = docker.from_env().api
+        api.import_image_from_data(buffer.getvalue(), repository=tag.rsplit(":", 1)[0], tag=tag.rsplit(":", 1)[1],
+                                   changes=[f"ENV PYTHONPATH={pythonpath}", "ENV PATH=/usr/local/bin:/usr/bin:/bin",
+                                            'CMD ["python3"]'])
+    return tag

@@ -1,0 +1,205 @@
+"""`toolkit build`: the submission repository (Dockerfile, run config, payload), committed deterministically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+import yaml
+
+from toolkit.errors import ToolkitError
+from toolkit.lint import lint
+from toolkit.recipe import Deploy, LoadedRecipe, Recipe, ReplaceBody
+from toolkit.render import PAYLOAD, render
+from toolkit.results import Issue, Severity
+from toolkit.variants import BASE, Variant, expand
+from toolkit.wheels import fetch_wheels
+
+MANIFEST = "MANIFEST.json"
+PACKAGE = Path(__file__).resolve().parent
+# fixed so the same recipe and sources give the same commit, not only the same tree
+EPOCH = os.environ.get("SOURCE_DATE_EPOCH", "946684800")
+AUTHOR = git.Actor("toolkit", "toolkit@localhost")
+GITATTRIBUTES = """\
+# Written by toolkit before the first commit: every text file is LF in the repository and in any checkout
+# or `git archive`, whatever core.autocrlf says (a CRLF shell script fails the image build).
+* text=auto eol=lf
+*.whl binary
+*.so binary
+"""
+
+
+@dataclass(frozen=True)
+class Built:
+    outdir: Path
+    commit: str
+    tree: str
+    files: int
+    branch: str
+
+
+def resolved_recipe(recipe: Recipe) -> str:
+    """The recipe as the in-image step reads it: variant applied, patches beside it in the payload."""
+    data = recipe.model_dump(mode="json", exclude_defaults=True)
+    data["patches"] = "../patches"
+    data.pop("variants", None)
+    data.pop("matrix", None)
+    header = f"# Resolved by toolkit from recipe {recipe.name}; the in-image step applies exactly this.\n"
+    return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
+
+
+def patch_sources(loaded: LoadedRecipe, recipe: Recipe) -> dict[str, Path]:
+    """Payload-relative path -> file, for every file a transform takes from the patches folder."""
+    out: dict[str, Path] = {}
+    base = loaded.patches_dir
+    for t in recipe.transforms:
+        if isinstance(t, Deploy):
+            src = base / t.source
+            files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+        elif isinstance(t, ReplaceBody):
+            files = [base / t.source.partition(":")[0]]
+        else:
+            continue
+        for path in files:
+            if "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            if not path.exists():
+                raise ToolkitError(f"transform {t.id}: {path} not found", hint="fix the recipe's source path")
+            out[f"patches/{path.relative_to(base).as_posix()}"] = path
+    return out
+
+
+def _write(path: Path, data: bytes, executable: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    os.chmod(path, 0o755 if executable else 0o644)
+
+
+def _lf(text: str) -> bytes:
+    return text.replace("\r\n", "\n").encode("utf-8")
+
+
+def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target: Path) -> None:
+    recipe_file = loaded.path.name
+    rendered = render(recipe, recipe_file, variant)
+    _write(target / ".gitattributes", GITATTRIBUTES.encode())
+    _write(target / "Dockerfile", _lf(rendered.dockerfile))
+    _write(target / "computility-run.yaml", _lf(rendered.run_config))
+    payload = target / PAYLOAD
+    _write(payload / "apply.sh", _lf(rendered.apply_sh), executable=True)
+    _write(payload / "recipe" / recipe_file, _lf(resolved_recipe(recipe)))
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "__pycache__" not in path.parts:
+            _write(payload / "src" / "toolkit" / path.relative_to(PACKAGE), _lf(path.read_text(encoding="utf-8")))
+    for rel, path in patch_sources(loaded, recipe).items():
+        data = path.read_bytes()
+        # shipped text is LF whatever the checkout did to it; binary files go as they are
+        _write(payload / rel, data if b"\0" in data[:8192] else data.replace(b"\r\n", b"\n"),
+               executable=bool(path.stat().st_mode & 0o111))
+    for wheel in fetch_wheels(recipe.base_image.python, recipe.base_image.platform):
+        _write(payload / "wheels" / wheel.name, wheel.read_bytes())
+    manifest = {p.relative_to(payload).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(payload.rglob("*")) if p.is_file()}
+    _write(payload / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _commit(repo_dir: Path, message: str, branch: str) -> tuple[str, str]:
+    repo = git.Repo.init(repo_dir, initial_branch=branch)
+    with repo.config_writer() as cfg:
+        cfg.set_value("core", "autocrlf", "false")
+    repo.git.add("--all")
+    date = f"{EPOCH} +0000"
+    commit = repo.index.commit(message, author=AUTHOR, committer=AUTHOR, author_date=date, commit_date=date)
+    return commit.hexsha, commit.tree.hexsha
+
+
+def refuse_on_lint(loaded: LoadedRecipe, recipe: Recipe, variant: str | None) -> None:
+    errors = [i for i in lint(loaded, recipe, variant=variant).issues if i.severity is Severity.ERROR]
+    if errors:
+        lines = "\n".join(f"  {i.rule} {loaded.path}:{i.line}: {i.message}" for i in errors)
+        raise ToolkitError(f"the recipe{f' (variant {variant})' if variant else ''} cannot start; lint found "
+                           f"{len(errors)} error(s):\n{lines}", hint="fix them, or see `toolkit lint` for details")
+
+
+def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | None = None,
+          force: bool = False, branch: str = "main", extra_files: dict[str, str] | None = None) -> Built:
+    """Write the whole submission next to OUTDIR, commit it, then move it into place."""
+    refuse_on_lint(loaded, recipe, variant)
+    if outdir.exists() and not force:
+        raise ToolkitError(f"{outdir} exists", hint="choose a new folder, or pass --force to replace it")
+    outdir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.", dir=outdir.parent))
+    try:
+        write_tree(loaded, recipe, variant, tmp)
+        for rel, text in sorted((extra_files or {}).items()):
+            _write(tmp / rel, _lf(text))
+        message = f"Submission for recipe {recipe.name}" + (f", variant {variant}" if variant else "") + (
+            "\n\nGenerated by `toolkit build`; change the recipe, not these files.\n")
+        commit, tree = _commit(tmp, message, branch)
+        files = sum(1 for p in tmp.rglob("*") if p.is_file() and ".git" not in p.relative_to(tmp).parts)
+        if outdir.exists():
+            shutil.rmtree(outdir)
+        tmp.rename(outdir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Built(outdir, commit, tree, files, branch)
+
+
+def push(outdir: Path, url: str, branches: list[str]) -> None:
+    repo = git.Repo(outdir)
+    try:
+        repo.git.push(url, *[f"{b}:{b}" for b in branches], "--force")
+    except git.GitCommandError as exc:
+        raise ToolkitError(f"git push to {url} failed: {exc.stderr.strip()}",
+                           hint="check the URL and your credentials; the local repository is complete") from None
+
+
+def add_branch(repo_dir: Path, source: Path, branch: str) -> str:
+    """Fetch the single commit of another built repository into repo_dir as a branch."""
+    repo = git.Repo(repo_dir)
+    repo.git.fetch(str(source), f"+HEAD:refs/heads/{branch}")
+    return str(repo.git.rev_parse(f"refs/heads/{branch}"))
+
+
+@dataclass(frozen=True)
+class Grid:
+    built: Built
+    branches: list[str]
+    kept: list[Variant]
+    dropped: list[tuple[Variant, list[Issue]]]
+
+
+def build_all_variants(loaded: LoadedRecipe, outdir: Path, *, force: bool, branches: bool) -> Grid:
+    """The base submission with one run config per variant that lints clean (and a branch each)."""
+    kept: list[Variant] = []
+    dropped: list[tuple[Variant, list[Issue]]] = []
+    for variant in expand(loaded.recipe):
+        errors = [i for i in lint(loaded, variant.apply(loaded.recipe), variant=variant.name).issues
+                  if i.severity is Severity.ERROR]
+        if errors:
+            dropped.append((variant, errors))
+        else:
+            kept.append(variant)
+    if not any(v.name == BASE for v in kept):
+        raise ToolkitError("the base recipe itself fails lint", hint="run `toolkit lint RECIPE` and fix it first")
+    configs = {f"variants/{v.name}/computility-run.yaml": render(v.apply(loaded.recipe), loaded.path.name,
+                                                                 v.name).run_config
+               for v in kept if v.name != BASE}
+    built = build(loaded, loaded.recipe, outdir, force=force, extra_files=configs)
+    names = [built.branch]
+    if branches:
+        for variant in kept:
+            if variant.name == BASE:
+                continue
+            with tempfile.TemporaryDirectory() as tmp:
+                one = build(loaded, variant.apply(loaded.recipe), Path(tmp) / "repo", variant=variant.name)
+                add_branch(outdir, one.outdir, f"variant/{variant.name}")
+            names.append(f"variant/{variant.name}")
+    return Grid(built, names, kept, dropped)
