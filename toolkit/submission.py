@@ -146,8 +146,11 @@ def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | 
         if outdir.exists():
             shutil.rmtree(outdir)
         tmp.rename(outdir)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise ToolkitError(f"writing the submission failed ({exc.strerror or exc}); {outdir} was left as it was",
+                               hint="free space or fix permissions, then build again") from exc
         raise
     return Built(outdir, commit, tree, files, branch)
 

@@ -1,0 +1,224 @@
+"""`toolkit build` and `toolkit verify OUTDIR`: the submission repository, without a Docker engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import git
+import pytest
+import yaml
+from conftest import FLAGSHIP, REPO, roots_of
+
+from toolkit import submission
+
+TEXT_SUFFIXES = (".py", ".sh", ".yaml", ".json", ".jinja", ".gitattributes", "Dockerfile")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from toolkit.cli import main
+
+    out = tmp_path_factory.mktemp("build") / "submission"
+    assert main(["build", str(FLAGSHIP), "-o", str(out)]) == 0
+    return out
+
+
+def commit_all(repo_dir: Path, message: str = "edit") -> None:
+    repo = git.Repo(repo_dir)
+    repo.git.add("--all")
+    repo.git.commit("-m", message, "--no-verify")
+
+
+def copy_repo(built: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    git.Repo.clone_from(str(built), str(target))
+    with git.Repo(target).config_writer() as cfg:
+        cfg.set_value("user", "name", "t").set_value("user", "email", "t@t")
+    return target
+
+
+def findings(cli, outdir: Path) -> set[tuple[str, str]]:
+    result = cli("verify", outdir, "--json")
+    return {(f["check"], f["file"]) for f in result.json()["findings"]}
+
+
+def test_submission_layout_and_run_config(built: Path, cli) -> None:
+    for rel in ("Dockerfile", "computility-run.yaml", ".gitattributes", "toolkit_payload/apply.sh",
+                "toolkit_payload/recipe/bi100-qwen36.yaml", "toolkit_payload/MANIFEST.json",
+                "toolkit_payload/src/toolkit/inimage.py",
+                "toolkit_payload/patches/chat_templates/qwen36_multi_system.jinja"):
+        assert (built / rel).is_file(), rel
+    wheels = sorted(p.name for p in (built / "toolkit_payload/wheels").glob("*.whl"))
+    assert any(w.startswith("libcst-") and "cp310" in w for w in wheels)
+    raw = (built / "computility-run.yaml").read_text()
+    assert "  - '245000'" in raw  # numbers are quoted strings, as the platform's examples write them
+    config = yaml.safe_load(raw)
+    assert set(config) == {"concurrency", "command", "env"}
+    assert config["command"][:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert config["command"][config["command"].index("--served-model-name") + 1] == "llm"
+    assert {"name": "XFORMERS_SDPA_FALLBACK", "value": "1"} in config["env"]
+    dockerfile = (built / "Dockerfile").read_text()
+    assert dockerfile.splitlines()[2].startswith("FROM harbor.4pd.io/modelhubxc/enginex-iluvatar/")
+    assert 'SHELL ["/bin/bash", "-euo", "pipefail", "-c"]' in dockerfile and "WORKDIR /workspace" in dockerfile
+    assert "|| true" not in dockerfile and "--mount" not in dockerfile
+    result = cli("verify", built, "--json")
+    assert result.code == 0, result.out
+    assert result.json()["findings"] == []
+
+
+def test_same_inputs_give_the_same_tree_and_commit(built: Path, cli, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    assert cli("build", FLAGSHIP, "-o", again).code == 0
+    a, b = git.Repo(built).head.commit, git.Repo(again).head.commit
+    assert a.tree.hexsha == b.tree.hexsha
+    assert a.hexsha == b.hexsha
+
+
+def test_no_half_written_outdir(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(python: str, platform: str) -> list[Path]:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(submission, "fetch_wheels", boom)
+    out = tmp_path / "sub"
+    result = cli("build", FLAGSHIP, "-o", out)
+    assert result.code == 2 and "No space left on device" in result.err and "left as it was" in result.err
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [], "no temporary folder may be left behind"
+
+
+def test_existing_outdir_needs_force(cli, built: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sub"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    result = cli("build", FLAGSHIP, "-o", out)
+    assert result.code == 2 and "--force" in result.err
+    assert (out / "keep").exists()
+    assert cli("build", FLAGSHIP, "-o", out, "--force").code == 0
+    assert not (out / "keep").exists() and (out / "Dockerfile").exists()
+
+
+def test_crlf_inputs_never_reach_the_submission(cli, tmp_path: Path) -> None:
+    patches = tmp_path / "patches"
+    for rel in ("native_fastpaths/__init__.py", "native_fastpaths/attention.py",
+                "chat_templates/qwen36_multi_system.jinja"):
+        (patches / rel).parent.mkdir(parents=True, exist_ok=True)
+        (patches / rel).write_bytes((REPO / "patches/src" / rel).read_bytes().replace(b"\n", b"\r\n"))
+    recipe = tmp_path / "recipes" / "bi100-qwen36.yaml"
+    recipe.parent.mkdir()
+    recipe.write_bytes(FLAGSHIP.read_bytes().replace(b"patches: ../patches/src", b"patches: ../patches")
+                       .replace(b"\n", b"\r\n"))
+    out = tmp_path / "sub"
+    assert cli("build", recipe, "-o", out).code == 0
+    for path in out.rglob("*"):
+        if path.is_file() and ".git" not in path.relative_to(out).parts and path.suffix != ".whl":
+            assert b"\r" not in path.read_bytes(), path
+    assert cli("verify", out).code == 0
+
+
+def test_verify_catches_crlf_and_autocrlf_exports(cli, built: Path, tmp_path: Path) -> None:
+    repo = copy_repo(built, tmp_path)
+    # the prior art's failure: no eol=lf attribute, and an export on a core.autocrlf=true machine
+    (repo / ".gitattributes").write_text("*.whl binary\n")
+    commit_all(repo)
+    got = findings(cli, repo)
+    assert ("archive-crlf", "toolkit_payload/apply.sh") in got
+    assert ("gitattributes", "toolkit_payload/apply.sh") in got
+    # and a CRLF file committed as such
+    repo2 = copy_repo(built, tmp_path / "b")
+    script = repo2 / "toolkit_payload/apply.sh"
+    script.write_bytes(script.read_bytes().replace(b"\n", b"\r\n"))
+    subprocess.run(["git", "-c", "core.autocrlf=false", "-c", "core.safecrlf=false", "add", "--renormalize", "."],
+                   cwd=repo2, check=True)
+    (repo2 / ".gitattributes").write_text("* -text\n")
+    commit_all(repo2)
+    assert ("line-endings", "toolkit_payload/apply.sh") in findings(cli, repo2)
+
+
+def test_verify_runs_the_linters(cli, built: Path, tmp_path: Path) -> None:
+    repo = copy_repo(built, tmp_path)
+    (repo / "toolkit_payload/extra.sh").write_text("#!/usr/bin/env bash\nrm -rf $1/*\n")
+    with (repo / "Dockerfile").open("a") as f:
+        f.write("RUN cd /tmp && apt-get install -y curl || true\n")
+    commit_all(repo)
+    got = findings(cli, repo)
+    assert ("shellcheck", "toolkit_payload/extra.sh") in got
+    assert ("hadolint", "Dockerfile") in got
+    assert ("dockerfile", "Dockerfile") in got  # the `|| true`
+    assert ("payload", "toolkit_payload/extra.sh") in got  # not in the manifest
+
+
+def test_verify_checks_run_config_and_payload(cli, built: Path, tmp_path: Path) -> None:
+    repo = copy_repo(built, tmp_path)
+    config = repo / "computility-run.yaml"
+    config.write_text(config.read_text().replace("'245000'", "'100000'"))
+    (repo / "toolkit_payload/patches/native_fastpaths/attention.py").unlink()
+    commit_all(repo)
+    (repo / "stray.txt").write_text("uncommitted\n")
+    result = cli("verify", repo, "--json")
+    assert result.code == 1
+    got = {(f["check"], f["file"]) for f in result.json()["findings"]}
+    assert ("run-config", "computility-run.yaml") in got
+    assert ("payload", "toolkit_payload/patches/native_fastpaths/attention.py") in got
+    assert ("git", ".") in got
+    message = next(f["message"] for f in result.json()["findings"] if f["check"] == "run-config")
+    assert "100000" in message
+
+
+def test_variant_build_and_refusal(cli, tmp_path: Path) -> None:
+    out = tmp_path / "v"
+    assert cli("build", FLAGSHIP, "-o", out, "--variant", "mnbt-32768_mns-2_ecp-true").code == 0
+    command = yaml.safe_load((out / "computility-run.yaml").read_text())["command"]
+    assert command[command.index("--max-num-batched-tokens") + 1] == "32768"
+    assert "variant mnbt-32768_mns-2_ecp-true" in (out / "Dockerfile").read_text()
+    bad = cli("build", FLAGSHIP, "-o", tmp_path / "bad", "--variant", "mnbt-8192_mns-1_ecp-false")
+    assert bad.code == 2 and "chunked-prefill-batch" in bad.err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_all_variants_with_branches_and_push(cli, tmp_path: Path) -> None:
+    remote = tmp_path / "remote.git"
+    git.Repo.init(remote, bare=True)
+    out = tmp_path / "grid"
+    result = cli("build", FLAGSHIP, "-o", out, "--all-variants", "--branches", "--push", remote, "--json")
+    assert result.code == 0, result.err
+    data = result.json()
+    assert len(data["branches"]) == 1 + 10  # main + every variant that lints clean except base
+    configs = sorted(p.parent.name for p in (out / "variants").glob("*/computility-run.yaml"))
+    assert len(configs) == 10 and not any(c.endswith("ecp-false") for c in configs)
+    heads = {ref.name for ref in git.Repo(remote).heads}
+    assert heads == {"main", *(f"variant/{c}" for c in configs)}
+    branch_tree = git.Repo(remote).commit("variant/mnbt-8192_mns-4_ecp-true").tree
+    config = yaml.safe_load(branch_tree["computility-run.yaml"].data_stream.read())
+    assert config["command"][config["command"].index("--max-num-seqs") + 1] == "4"
+
+
+def _inimage(built: Path, rootfs: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(built / "toolkit_payload/src"))
+    return subprocess.run([sys.executable, "-m", "toolkit.inimage",
+                           str(built / "toolkit_payload/recipe/bi100-qwen36.yaml"), "--rootfs", str(rootfs)],
+                          capture_output=True, text=True, env=env, cwd=built)
+
+
+def test_in_image_step_prints_ok_lines(built: Path, corex_rootfs: Path) -> None:
+    proc = _inimage(built, corex_rootfs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ok = [ln for ln in proc.stdout.splitlines() if ln.startswith("[ok] ")]
+    assert len([ln for ln in ok if not ln.startswith("[ok] verify")]) == 16
+    assert "[ok] unhardcode-enforce-eager /usr/local/corex/lib64/python3/dist-packages APPLIED" in proc.stdout
+    assert "import check not run" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("== summary: ok")
+
+
+def test_in_image_step_fails_loudly_on_drift(built: Path, corex_rootfs: Path) -> None:
+    for root in roots_of(corex_rootfs):
+        path = root / "vllm/attention/ops/paged_attn.py"
+        path.write_text(path.read_text().replace("def forward_decode(", "def forward_decode_v2("))
+    proc = _inimage(built, corex_rootfs)
+    assert proc.returncode == 1
+    fail = [ln for ln in proc.stdout.splitlines() if ln.startswith("[FAIL] ")]
+    assert fail and all(ln.startswith("[FAIL] drop-forced-paged-attn-v1 ") for ln in fail)
+    assert "forward_decode_v2" in fail[0] and "bi100-qwen36.yaml:" in fail[0]
+    assert "nothing was written" in proc.stdout
