@@ -62,6 +62,8 @@ def test_patched_files_carry_markers_and_changes(cli, corex_rootfs: Path) -> Non
         assert set(read_markers(arg_utils)) == {"unhardcode-enforce-eager", "unhardcode-custom-all-reduce"}
         paged = (root / "vllm/attention/ops/paged_attn.py").read_text()
         assert "use_v1 = True" not in paged and "use_v1 = (max_seq_len <= 8192" in paged
+        assert 'environ.get("PREFIX_FLASH", "1")' in paged
+        assert "from native_fastpaths.prefix_attention import forward_prefix" in paged
         registry = (root / "vllm/model_executor/models/registry.py").read_text()
         qwen3_moe = registry.index('"Qwen3MoeForCausalLM"')
         assert qwen3_moe < registry.index('"Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM")')

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from conftest import FLAGSHIP, REPO
 
+from toolkit.inimage import expected_results
+from toolkit.recipe import load_recipe
 from toolkit.testing import COREX_ROOTS
 
 BASE_TAG = "toolkit-test/corex:py311"
@@ -64,10 +66,11 @@ def test_full_image_flow(cli, base_images: dict[str, str], tmp_path: Path) -> No
     assert result.code == 0, result.err[-3000:]
     data = result.json()
     assert data["compared_files"] == 10  # 5 patched modules x 2 roots, byte-identical to a host apply
-    assert data["ok_lines"] >= 16
+    expected = expected_results(load_recipe(FLAGSHIP), roots=2)
+    assert data["ok_lines"] >= expected
     assert "[ok] `import vllm` from /workspace resolves to /usr/local/corex/lib64/python3/dist-packages/vllm" \
         in result.err
-    assert "== summary: ok, 16 APPLIED" in result.err
+    assert f"== summary: ok, {expected} APPLIED" in result.err
 
 
 def test_drifted_base_image_fails_the_build(cli, base_images: dict[str, str], tmp_path: Path) -> None:

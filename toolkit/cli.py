@@ -17,9 +17,9 @@ from toolkit.lint import lint
 from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
 from toolkit.report import emit
 from toolkit.results import Report, Severity, State
-from toolkit.sources import Root, reference_root, rootfs_roots
+from toolkit.sources import Root, reference_root, resolve_trees, rootfs_roots
 from toolkit.submission import build as build_submission
-from toolkit.submission import build_all_variants
+from toolkit.submission import build_all_variants, used_sources
 from toolkit.submission import push as push_submission
 from toolkit.submission_verify import verify_submission
 from toolkit.variants import expand as expand_variants
@@ -44,6 +44,17 @@ examples:
   toolkit lint recipes/bi100-qwen36.yaml                         # exit 0 clean, 1 warnings (--strict), 2 errors
   toolkit variants recipes/bi100-qwen36.yaml                     # the experiment grid, impossible ones dropped
 """
+
+
+def _trees(loaded: LoadedRecipe, args: argparse.Namespace) -> dict[str, Path]:
+    overrides = {}
+    for item in getattr(args, "source", None) or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ToolkitError(f"--source {item!r}: expected NAME=PATH",
+                               hint="e.g. --source qwen36-adapter=../qwen36_01")
+        overrides[name] = path
+    return resolve_trees(loaded.recipe, loaded.path.parent, overrides)
 
 
 def _roots(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[list[Root], Path | None]:
@@ -83,7 +94,7 @@ def _exit(report: Report, strict: bool = False) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     loaded = load_recipe(args.recipe)
     roots, rootfs = _roots(loaded, args)
-    engine = Engine(loaded, roots, rootfs, lock=_read_lock(args.check_lock))
+    engine = Engine(loaded, roots, rootfs, lock=_read_lock(args.check_lock), trees=_trees(loaded, args))
     plan = engine.run()
     written: list[str] = []
     if plan.ok and not args.dry_run:
@@ -108,7 +119,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     loaded = load_recipe(args.recipe)
     roots, rootfs = _roots(loaded, args)
-    engine = Engine(loaded, roots, rootfs, check_version=not args.reference)
+    engine = Engine(loaded, roots, rootfs, check_version=not args.reference, trees=_trees(loaded, args))
     plan = engine.run()
     first = roots[0].label
     steps = [s for s in plan.steps if s.root in (first, "/")]
@@ -140,7 +151,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     notes: list[str] = []
     rows: list[tuple[str, ...]] = []
     if args.all_variants:
-        grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches)
+        grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches, trees=_trees(loaded, args))
         built, branches = grid.built, grid.branches
         rows = [(v.name, "written", v.describe()) for v in grid.kept]
         rows += [(v.name, "DROPPED", "; ".join(f"{e.rule}: {e.message}" for e in errs)) for v, errs in grid.dropped]
@@ -148,9 +159,15 @@ def cmd_build(args: argparse.Namespace) -> int:
                      "by lint" + (f"; {len(branches) - 1} variant branch(es)" if args.branches else ""))
     else:
         recipe = find_variant(loaded.recipe, args.variant).apply(loaded.recipe) if args.variant else loaded.recipe
-        built = build_submission(loaded, recipe, outdir, variant=args.variant, force=args.force)
+        built = build_submission(loaded, recipe, outdir, variant=args.variant, force=args.force,
+                                 trees=_trees(loaded, args))
         branches = [built.branch]
     build_seconds = time.monotonic() - started
+    for source in used_sources(loaded.recipe):
+        bundled = (outdir / "toolkit_payload" / "sources" / source.name).is_dir()
+        notes.append(f"source {source.name}: " + (f"bundled at {source.commit}" if bundled else
+                     f"NOT bundled; the image build clones {source.git} and checks out {source.commit} "
+                     f"(needs git and network in the builder; --source {source.name}=PATH bundles it)"))
     if args.push:
         push_submission(outdir, args.push, branches)
         notes.append(f"pushed {', '.join(branches)} to {args.push}")
@@ -194,7 +211,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return _exit(report)
     loaded = load_recipe(args.recipe)
     roots, rootfs = _roots(loaded, args)
-    report = verify_tree(loaded, roots, rootfs)
+    report = verify_tree(loaded, roots, rootfs, _trees(loaded, args))
     # a tree that verifies but whose recipe cannot start is not verified
     lint_errors = tuple(i for i in lint(loaded, rootfs=rootfs).issues if i.severity is Severity.ERROR)
     report = dataclasses.replace(report, issues=lint_errors)
@@ -260,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
         if reference:
             p.add_argument("--reference", nargs="?", const=True, metavar="NAME==VERSION",
                            help="use a public release fetched by pip (default: the recipe's vendor.reference)")
+        p.add_argument("--source", action="append", metavar="NAME=PATH",
+                       help="a local checkout of a declared source (its pinned commit is used)")
         p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     p = sub.add_parser("apply", help="apply every transform to every vendor root (all or nothing)",
@@ -285,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the base submission plus one run config per variant that lints clean")
     p.add_argument("--branches", action="store_true", help="with --all-variants: one branch per variant too")
     p.add_argument("--push", metavar="URL", help="push the branch(es) to this git remote")
+    p.add_argument("--source", action="append", metavar="NAME=PATH",
+                   help="bundle a declared source from this local checkout (at its pinned commit) instead of "
+                   "fetching it at image build")
     p.add_argument("--force", action="store_true", help="replace OUTDIR if it exists")
     p.add_argument("--image", metavar="TAG", help="also docker-build the image (DOCKER_HOST or the default socket), "
                    "verify inside it and compare its patched files with a host apply")

@@ -16,11 +16,12 @@ from packaging.version import InvalidVersion, Version
 
 from toolkit.errors import InputDriftError, WriteError
 from toolkit.markers import append_markers, read_markers
-from toolkit.recipe import LoadedRecipe, SourceTransform, TransformBase
+from toolkit.recipe import Deploy, LoadedRecipe, SourceTransform, TransformBase
 from toolkit.results import Result, State
 from toolkit.sources import Root, vendor_version
 from toolkit.transforms import file_kind, source_kind
 from toolkit.transforms.base import Context, decide
+from toolkit.transforms.deploy import DeployKind
 from toolkit.transforms.files import FileOp
 
 STATE_FILE = ".toolkit/state.json"
@@ -120,19 +121,28 @@ def gated_off(spec: TransformBase, version: str | None) -> str | None:
 
 class Engine:
     def __init__(self, loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None, *,
-                 check_version: bool = True, lock: dict[str, object] | None = None):
+                 check_version: bool = True, lock: dict[str, object] | None = None,
+                 trees: dict[str, Path] | None = None):
         self.lock = lock
         self.loaded = loaded
         self.recipe = loaded.recipe
         self.roots = roots
         self.rootfs = rootfs
         self.check_version = check_version
-        self.ctx = Context(loaded.patches_dir)
+        self.ctx = Context(loaded.patches_dir, dict(trees or {}))
         self.index = {t.id: i for i, t in enumerate(self.recipe.transforms)}
         self.source_specs = [t for t in self.recipe.transforms if isinstance(t, SourceTransform)]
         self.source = {t.id: source_kind(t, self.ctx) for t in self.source_specs}
-        self.files = {t.id: file_kind(t, self.ctx.patches_dir) for t in self.recipe.transforms
+        self.files = {t.id: file_kind(t, self.ctx) for t in self.recipe.transforms
                       if not isinstance(t, SourceTransform)}
+        # files a deploy installs in the roots and source transforms then edit: deployed once, patched
+        self.deployed: dict[str, tuple[bytes, Deploy]] = {}
+        targets = {t.file for t in self.source_specs}
+        for kind in self.files.values():
+            if isinstance(kind, DeployKind) and not kind.rootfs_level and roots:
+                for rel, data in kind.contents(roots[0].path).items():
+                    if rel in targets:
+                        self.deployed[rel] = (data, kind.spec)
 
     # -- inputs -----------------------------------------------------------------------------
 
@@ -188,8 +198,29 @@ class Engine:
                     hint="reinstall the vendor package so every root holds the same files",
                 )
             out[rel] = seen[self.roots[0].label]
-            self._pristine_of(rel, out[rel], states[self.roots[0].label])
+            if rel in self.deployed:
+                out[rel] = self._deployed_input(rel, out[rel], states[self.roots[0].label])
+            else:
+                self._pristine_of(rel, out[rel], states[self.roots[0].label])
         return out
+
+    def _deployed_input(self, rel: str, current: bytes | None, state: dict[str, object]) -> bytes:
+        """The input of a file this recipe deploys and then patches: the deployed source, or our own result."""
+        source, spec = self.deployed[rel]
+        self.plan.pristine[rel] = sha256(source)
+        if current is None or current == source:
+            return source
+        files = state.get("files", {})
+        entry = files.get(rel) if isinstance(files, dict) else None
+        ours = isinstance(entry, dict) and sha256(current) == entry.get("patched")
+        if ours and isinstance(entry, dict) and entry.get("pristine") == sha256(source):
+            return current  # deployed and patched before, from the same source: markers decide
+        if ours or spec.overwrite:
+            return source  # the deployed source changed (a new pin): start again from it
+        raise InputDriftError(
+            f"{rel} exists in the vendor roots with content this recipe did not deploy",
+            hint=f"set `overwrite: true` on transform {spec.id} if replacing it is intended",
+        )
 
     def _pristine_of(self, rel: str, data: bytes | None, state: dict[str, object]) -> None:
         if data is None:
@@ -239,8 +270,8 @@ class Engine:
                 new_markers.append((spec.id, spec.digest()))
                 self.plan.steps.append(Step(spec.id, self.roots[0].label, rel, before, module))
             outcome.append((spec, decision.state, decision.message))
-        if new_markers and all(s is not State.DRIFTED for _, s, _ in outcome):
-            text = append_markers(module.code, new_markers)
+        if all(s is not State.DRIFTED for _, s, _ in outcome):
+            text = append_markers(module.code, new_markers) if new_markers else tf.text
             try:
                 compile(text, rel, "exec", dont_inherit=True)
             except SyntaxError as exc:
@@ -250,7 +281,10 @@ class Engine:
             new = tf.encode(text)
             for root in self.roots:
                 path = root.path / rel
-                self.plan.ops.append(FileOp(path, content=new, mode=path.stat().st_mode & 0o7777))
+                if path.is_file() and path.read_bytes() == new:
+                    continue
+                mode = path.stat().st_mode & 0o7777 if path.is_file() else 0o644
+                self.plan.ops.append(FileOp(path, content=new, mode=mode))
                 self.plan.changed_py.append(path)
         return outcome
 
@@ -284,7 +318,10 @@ class Engine:
                     continue
                 owned = owned_all if kind.rootfs_level else {
                     k: v for k, v in self._owned(base).items() if not k.startswith("/")}
-                fp = kind.plan(base, owned)
+                if isinstance(kind, DeployKind):
+                    fp = kind.plan(base, owned, frozenset(self.deployed) if not kind.rootfs_level else frozenset())
+                else:
+                    fp = kind.plan(base, owned)
                 self.plan.results.append(self._result(spec, label, shown, fp.state, fp.message))
                 self.plan.ops.extend(fp.ops)
                 for rel, digest in fp.owned:

@@ -29,6 +29,15 @@ def say(ok: bool, text: str) -> None:
     print(f"[{'ok' if ok else 'FAIL'}] {text}", flush=True)
 
 
+def payload_trees(loaded: LoadedRecipe) -> dict[str, Path]:
+    """Declared sources as the payload holds them: bundled by `toolkit build` or fetched by apply.sh."""
+    folder = loaded.path.parent.parent / "sources"
+    trees = {s.name: folder / s.name for s in loaded.recipe.sources if (folder / s.name).is_dir()}
+    for name, path in trees.items():
+        print(f"[info] source {name}: {path}", flush=True)
+    return trees
+
+
 def existing_roots(loaded: LoadedRecipe, rootfs: Path) -> list[Root]:
     roots = []
     for label in loaded.recipe.vendor.roots:
@@ -60,8 +69,8 @@ def import_location(package: str, workdir: str) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
-def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path) -> bool:
-    report = verify_tree(loaded, roots, rootfs)
+def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path, trees: dict[str, Path]) -> bool:
+    report = verify_tree(loaded, roots, rootfs, trees)
     for r in report.results:
         if r.state.ok:
             say(True, f"verify {r.transform} {r.root} {r.state.value}")
@@ -82,10 +91,11 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False) -> int:
     if not roots:
         say(False, f"no vendor root holds {recipe.vendor.package}/: {', '.join(recipe.vendor.roots)}")
         return 1
+    trees = payload_trees(loaded)
     if verify_only:
-        return 0 if verify(loaded, roots, rootfs) else 1
+        return 0 if verify(loaded, roots, rootfs, trees) else 1
     try:
-        plan = Engine(loaded, roots, rootfs).run()
+        plan = Engine(loaded, roots, rootfs, trees=trees).run()
     except ToolkitError as exc:
         say(False, f"input: {exc}")
         return 1
@@ -105,7 +115,7 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False) -> int:
         return 1
     commit(plan.ops)
     print(f"== applied: {len(plan.ops)} path(s) written, stale bytecode of changed modules removed", flush=True)
-    if not verify(loaded, roots, rootfs):
+    if not verify(loaded, roots, rootfs, trees):
         print("== summary: FAILED verification after apply", flush=True)
         return 1
     if rootfs == Path("/"):

@@ -305,7 +305,25 @@ class Deploy(TransformBase):
     dest: str = Field(description="Relative: inside every vendor root; absolute: inside the image filesystem")
     overwrite: bool = Field(default=False, description="Allow replacing a file that exists with other content")
 
-    _s = field_validator("source")(classmethod(lambda cls, v: _relative_path(v)))
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        if value.startswith("@"):
+            name, _, rest = value[1:].partition("/")
+            if not name or not rest:
+                raise ValueError(f"a file of a declared source is written @name/path, got {value!r}")
+            _relative_path(rest)
+            return value
+        return _relative_path(value)
+
+    @property
+    def tree(self) -> str | None:
+        """The declared source this deploy takes its files from, if any."""
+        return self.source[1:].partition("/")[0] if self.source.startswith("@") else None
+
+    @property
+    def tree_path(self) -> str:
+        return self.source[1:].partition("/")[2] if self.source.startswith("@") else self.source
 
     @field_validator("dest")
     @classmethod
@@ -378,13 +396,18 @@ class ModelShape(Strict):
 
 
 class Source(Strict):
-    """A pinned upstream the recipe builds on (the model adapter), and what it is known to add."""
+    """A pinned upstream the recipe builds on (the model adapter), and what it is known to add.
+
+    Deploys name its files as `@name/path`. With a local checkout (`path`, or `--source name=PATH`) the
+    pinned commit is exported from it and bundled into the submission; without one, the submission
+    clones the URL at image build and checks out and verifies the pinned commit (the builder needs git
+    and network), and the build says so.
+    """
 
     name: str = Field(pattern=ID_PATTERN)
     git: str = Field(description="Repository URL")
     commit: str = Field(pattern=r"^[0-9a-f]{40}$", description="The pinned commit")
-    path: str | None = Field(default=None, description="Local checkout that overrides the URL")
-    deployed: bool = Field(default=False, description="Whether this recipe deploys its files into the image")
+    path: str | None = Field(default=None, description="Local checkout (relative to the recipe) to bundle from")
     provides_flags: list[str] = Field(default_factory=list, description="Server flags its CLI module adds")
     provides_tool_parsers: list[str] = Field(default_factory=list)
 
@@ -430,6 +453,16 @@ class Recipe(Strict):
             if not re.match(ID_PATTERN, name) or name == "base":
                 raise ValueError(f"variant names are lowercase ids (and not 'base'), got {name!r}")
         return variants
+
+    @model_validator(mode="after")
+    def _known_sources(self) -> Recipe:
+        names = {s.name for s in self.sources}
+        for t in self.transforms:
+            tree = getattr(t, "tree", None)
+            if tree is not None and tree not in names:
+                raise ValueError(f"transform {t.id} deploys from @{tree}, which is not declared under sources "
+                                 f"(declared: {', '.join(sorted(names)) or 'none'})")
+        return self
 
     @field_validator("env")
     @classmethod

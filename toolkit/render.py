@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
 
 from toolkit.errors import ToolkitError
-from toolkit.recipe import ArgValue, Recipe
+from toolkit.recipe import ArgValue, Recipe, Source
 
 PROJECT = Path(__file__).resolve().parent.parent
 DOCKERFILE_TEMPLATE = PROJECT / "Dockerfile.j2"
@@ -65,16 +66,18 @@ def _env() -> jinja2.Environment:
     )
     env.filters["yamlquote"] = yamlquote
     env.filters["dockerquote"] = dockerquote
+    env.filters["shquote"] = shlex.quote
     return env
 
 
-def render(recipe: Recipe, recipe_file: str, variant: str | None) -> Rendered:
+def render(recipe: Recipe, recipe_file: str, variant: str | None, fetched: list[Source] | None = None) -> Rendered:
     env = _env()
     context = {
         "recipe_name": recipe.name, "recipe_file": recipe_file, "variant": variant,
         "base_image": recipe.base_image.reference, "workdir": recipe.serve.workdir,
         "env": sorted(recipe.env.items()), "argv": argv(recipe), "concurrency": recipe.serve.concurrency,
         "payload_name": PAYLOAD, "payload_dir": IMAGE_PAYLOAD,
+        "fetched": [{"name": s.name, "git": s.git, "commit": s.commit} for s in fetched or []],
     }
     return Rendered(
         dockerfile=env.get_template("Dockerfile.j2").render(context),

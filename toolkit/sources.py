@@ -98,3 +98,54 @@ def last_line(text: str) -> str:
 
 def reference_root(spec: str, python: str, platform: str) -> Root:
     return Root(f"reference:{spec}", fetch_reference(spec, python, platform))
+
+
+def export_commit(name: str, checkout: Path, commit: str) -> Path:
+    """The pinned commit of a local checkout as a plain tree (cached): what the submission bundles.
+
+    Taken with `git archive`, so uncommitted edits in the checkout never leak into an image.
+    """
+    import subprocess
+    import tarfile
+
+    target = cache_dir() / "sources" / f"{name}-{commit}"
+    if (target / ".complete").exists():
+        return target
+    if not (checkout / ".git").exists() and not checkout.joinpath("HEAD").exists():
+        raise SourceError(f"source {name}: {checkout} is not a git checkout",
+                          hint=f"clone the adapter there, or fix sources[].path / --source {name}=PATH")
+    probe = subprocess.run(["git", "-C", str(checkout), "cat-file", "-e", f"{commit}^{{commit}}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise SourceError(f"source {name}: commit {commit} is not in {checkout}",
+                          hint=f"git -C {checkout} fetch, or correct the pinned commit in the recipe")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        archive = subprocess.run(["git", "-C", str(checkout), "archive", "--format=tar", commit],
+                                 capture_output=True, check=True)
+        tree = Path(tmp) / "tree"
+        tree.mkdir()
+        import io
+
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(tree, filter="tar")
+        (tree / ".complete").write_text(commit + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        tree.rename(target)
+    return target
+
+
+def resolve_trees(recipe: Recipe, recipe_dir: Path, overrides: dict[str, str]) -> dict[str, Path]:
+    """Each declared source that is available locally, exported at its pinned commit."""
+    unknown = sorted(set(overrides) - {s.name for s in recipe.sources})
+    if unknown:
+        raise SourceError(f"--source names no declared source: {', '.join(unknown)}",
+                          hint=f"declared: {', '.join(s.name for s in recipe.sources) or 'none'}")
+    trees = {}
+    for source in recipe.sources:
+        local = overrides.get(source.name) or source.path
+        if local:
+            checkout = Path(local) if Path(local).is_absolute() or source.name in overrides else recipe_dir / local
+            trees[source.name] = export_commit(source.name, checkout.resolve(), source.commit)
+    return trees

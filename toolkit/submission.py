@@ -15,7 +15,7 @@ import yaml
 
 from toolkit.errors import ToolkitError
 from toolkit.lint import lint
-from toolkit.recipe import Deploy, LoadedRecipe, Recipe, ReplaceBody
+from toolkit.recipe import Deploy, LoadedRecipe, Recipe, ReplaceBody, Source
 from toolkit.render import PAYLOAD, render
 from toolkit.results import Issue, Severity
 from toolkit.variants import BASE, Variant, expand
@@ -54,11 +54,18 @@ def resolved_recipe(recipe: Recipe) -> str:
     return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
+def used_sources(recipe: Recipe) -> list[Source]:
+    used = {t.tree for t in recipe.transforms if isinstance(t, Deploy) and t.tree}
+    return [s for s in recipe.sources if s.name in used]
+
+
 def patch_sources(loaded: LoadedRecipe, recipe: Recipe) -> dict[str, Path]:
     """Payload-relative path -> file, for every file a transform takes from the patches folder."""
     out: dict[str, Path] = {}
     base = loaded.patches_dir
     for t in recipe.transforms:
+        if isinstance(t, Deploy) and t.tree is not None:
+            continue  # files of declared sources travel under sources/ (bundled) or are fetched in the image
         if isinstance(t, Deploy):
             src = base / t.source
             files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
@@ -85,9 +92,11 @@ def _lf(text: str) -> bytes:
     return text.replace("\r\n", "\n").encode("utf-8")
 
 
-def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target: Path) -> None:
+def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target: Path,
+               trees: dict[str, Path]) -> None:
     recipe_file = loaded.path.name
-    rendered = render(recipe, recipe_file, variant)
+    fetched = [s for s in used_sources(recipe) if s.name not in trees]
+    rendered = render(recipe, recipe_file, variant, fetched)
     _write(target / ".gitattributes", GITATTRIBUTES.encode())
     _write(target / "Dockerfile", _lf(rendered.dockerfile))
     _write(target / "computility-run.yaml", _lf(rendered.run_config))
@@ -102,6 +111,12 @@ def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target
         # shipped text is LF whatever the checkout did to it; binary files go as they are
         _write(payload / rel, data if b"\0" in data[:8192] else data.replace(b"\r\n", b"\n"),
                executable=bool(path.stat().st_mode & 0o111))
+    for source in used_sources(recipe):
+        if source.name in trees:  # bundled: the pinned commit, exported from the local checkout
+            tree = trees[source.name]
+            for path in sorted(p for p in tree.rglob("*") if p.is_file() and p.name != ".complete"):
+                _write(payload / "sources" / source.name / path.relative_to(tree), path.read_bytes(),
+                       executable=bool(path.stat().st_mode & 0o111))
     for wheel in fetch_wheels(recipe.base_image.python, recipe.base_image.platform):
         _write(payload / "wheels" / wheel.name, wheel.read_bytes())
     manifest = {p.relative_to(payload).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -128,7 +143,8 @@ def refuse_on_lint(loaded: LoadedRecipe, recipe: Recipe, variant: str | None) ->
 
 
 def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | None = None,
-          force: bool = False, branch: str = "main", extra_files: dict[str, str] | None = None) -> Built:
+          force: bool = False, branch: str = "main", extra_files: dict[str, str] | None = None,
+          trees: dict[str, Path] | None = None) -> Built:
     """Write the whole submission next to OUTDIR, commit it, then move it into place."""
     refuse_on_lint(loaded, recipe, variant)
     if outdir.exists() and not force:
@@ -136,7 +152,7 @@ def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | 
     outdir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.", dir=outdir.parent))
     try:
-        write_tree(loaded, recipe, variant, tmp)
+        write_tree(loaded, recipe, variant, tmp, trees or {})
         for rel, text in sorted((extra_files or {}).items()):
             _write(tmp / rel, _lf(text))
         message = f"Submission for recipe {recipe.name}" + (f", variant {variant}" if variant else "") + (
@@ -179,7 +195,8 @@ class Grid:
     dropped: list[tuple[Variant, list[Issue]]]
 
 
-def build_all_variants(loaded: LoadedRecipe, outdir: Path, *, force: bool, branches: bool) -> Grid:
+def build_all_variants(loaded: LoadedRecipe, outdir: Path, *, force: bool, branches: bool,
+                       trees: dict[str, Path] | None = None) -> Grid:
     """The base submission with one run config per variant that lints clean (and a branch each)."""
     kept: list[Variant] = []
     dropped: list[tuple[Variant, list[Issue]]] = []
@@ -195,14 +212,15 @@ def build_all_variants(loaded: LoadedRecipe, outdir: Path, *, force: bool, branc
     configs = {f"variants/{v.name}/computility-run.yaml": render(v.apply(loaded.recipe), loaded.path.name,
                                                                  v.name).run_config
                for v in kept if v.name != BASE}
-    built = build(loaded, loaded.recipe, outdir, force=force, extra_files=configs)
+    built = build(loaded, loaded.recipe, outdir, force=force, extra_files=configs, trees=trees)
     names = [built.branch]
     if branches:
         for variant in kept:
             if variant.name == BASE:
                 continue
             with tempfile.TemporaryDirectory() as tmp:
-                one = build(loaded, variant.apply(loaded.recipe), Path(tmp) / "repo", variant=variant.name)
+                one = build(loaded, variant.apply(loaded.recipe), Path(tmp) / "repo", variant=variant.name,
+                            trees=trees)
                 add_branch(outdir, one.outdir, f"variant/{variant.name}")
             names.append(f"variant/{variant.name}")
     return Grid(built, names, kept, dropped)

@@ -18,7 +18,7 @@ from toolkit.lint import lint
 from toolkit.recipe import load_recipe
 from toolkit.render import PAYLOAD, argv
 from toolkit.results import Finding, Report, Severity
-from toolkit.submission import MANIFEST, patch_sources
+from toolkit.submission import MANIFEST, patch_sources, used_sources
 from toolkit.wheels import IN_IMAGE_PACKAGES
 
 SCRIPT_SUFFIXES = (".sh", ".py")
@@ -169,6 +169,12 @@ class Checker:
         for rel in sorted(set(actual) & set(manifest)):
             if actual[rel] != manifest[rel]:
                 self.fail("payload", f"{PAYLOAD}/{rel}", "content differs from the manifest")
+        apply_sh = (payload / "apply.sh").read_text(encoding="utf-8") if (payload / "apply.sh").is_file() else ""
+        for source in used_sources(recipe):
+            bundled = any(rel.startswith(f"sources/{source.name}/") for rel in actual)
+            if not bundled and f"fetch source {source.name} at {source.commit}" not in apply_sh:
+                self.fail("payload", f"{PAYLOAD}/sources/{source.name}",
+                          f"source {source.name} is neither bundled nor fetched by apply.sh: the image would lack it")
         for rel in patch_sources(loaded, recipe):
             if rel not in actual:
                 self.fail("payload", f"{PAYLOAD}/{rel}", "the recipe needs this file but the payload lacks it")

@@ -15,6 +15,7 @@ from toolkit.recipe import LoadedRecipe, SourceTransform
 from toolkit.results import Finding, Report, Result, State
 from toolkit.sources import Root, vendor_version
 from toolkit.transforms.base import Probe, decide
+from toolkit.transforms.deploy import DeployKind
 
 _NOT_DONE = {
     State.APPLIED: "not applied: the pre-state is still there (run `toolkit apply`)",
@@ -80,8 +81,9 @@ def _lf_findings(label: str, base: Path, files: list[Path], check: str) -> list[
     return out
 
 
-def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None) -> Report:
-    engine = Engine(loaded, roots, rootfs, check_version=False)
+def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
+                trees: dict[str, Path] | None = None) -> Report:
+    engine = Engine(loaded, roots, rootfs, check_version=False, trees=trees)
     recipe = loaded.recipe
     results: list[Result] = []
     findings: list[Finding] = []
@@ -119,7 +121,8 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None) ->
             if why_off:
                 results.append(engine._result(spec, label, shown, State.GATED_OFF, why_off))
                 continue
-            plan = kind.plan(base, {})
+            plan = (kind.plan(base, {}, frozenset(engine.deployed)) if isinstance(kind, DeployKind)
+                    and not kind.rootfs_level else kind.plan(base, {}))
             state, message = plan.state, plan.message
             if state is State.APPLIED:
                 state, message = State.DRIFTED, f"not in place: {message}"

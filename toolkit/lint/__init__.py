@@ -127,7 +127,8 @@ class LintContext:
 
     @cached_property
     def deployed_paths(self) -> list[Path]:
-        return [self.loaded.patches_dir / t.source for t in self.recipe.transforms if isinstance(t, Deploy)]
+        return [self.loaded.patches_dir / t.source for t in self.recipe.transforms
+                if isinstance(t, Deploy) and t.tree is None]
 
 
 Rule = Callable[[LintContext], Iterator[Issue]]

@@ -167,7 +167,12 @@ def _known_flags(ctx: LintContext) -> tuple[set[str], set[str], dict[str, str]]:
         flags |= flags_in_source(text)
         parsers |= tool_parsers_in_source(text)
     claimed: dict[str, str] = {}
+    deployed = {getattr(t, "tree", None) for t in ctx.recipe.transforms}
     for source in ctx.recipe.sources:
+        if source.name in deployed:  # its files go into the image; trust what it declares it adds
+            flags.update(f.lstrip("-") for f in source.provides_flags)
+            parsers.update(source.provides_tool_parsers)
+            continue
         for flag in source.provides_flags:
             claimed.setdefault(flag.lstrip("-"), source.name)
         for parser in source.provides_tool_parsers:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from toolkit.recipe import SourceTransform, TransformBase
@@ -27,7 +26,7 @@ SOURCE_KINDS: dict[str, Callable[[Any, Context], SourceKind]] = {
 }
 
 FileKind = DeployKind | SymlinkKind
-FILE_KINDS: dict[str, Callable[[Any, Path], FileKind]] = {
+FILE_KINDS: dict[str, Callable[[Any, Context], FileKind]] = {
     "deploy": DeployKind,
     "symlink": SymlinkKind,
 }
@@ -37,5 +36,5 @@ def source_kind(spec: SourceTransform, ctx: Context) -> SourceKind:
     return SOURCE_KINDS[spec.kind](spec, ctx)
 
 
-def file_kind(spec: TransformBase, patches_dir: Path) -> FileKind:
-    return FILE_KINDS[spec.kind](spec, patches_dir)
+def file_kind(spec: TransformBase, ctx: Context) -> FileKind:
+    return FILE_KINDS[spec.kind](spec, ctx)

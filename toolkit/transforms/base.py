@@ -18,6 +18,7 @@ class Context:
     """What a kind may need besides the file it edits."""
 
     patches_dir: Path
+    trees: dict[str, Path] = field(default_factory=dict)  # declared sources available here, at their commit
 
 
 @dataclass(frozen=True)

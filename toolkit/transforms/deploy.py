@@ -8,6 +8,7 @@ from pathlib import Path
 from toolkit.errors import ToolkitError
 from toolkit.recipe import Deploy
 from toolkit.results import State
+from toolkit.transforms.base import Context
 from toolkit.transforms.files import FileOp, FilePlan, under
 
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
@@ -30,9 +31,17 @@ def sha256(data: bytes) -> str:
 
 
 class DeployKind:
-    def __init__(self, spec: Deploy, patches_dir: Path) -> None:
+    def __init__(self, spec: Deploy, ctx: Context) -> None:
         self.spec = spec
-        self.source = patches_dir / spec.source
+        if spec.tree is not None:
+            if spec.tree not in ctx.trees:
+                raise ToolkitError(
+                    f"transform {spec.id}: source {spec.tree!r} is not available here",
+                    hint=f"pass --source {spec.tree}=PATH (a local checkout), or set sources[].path in the recipe",
+                )
+            self.source = ctx.trees[spec.tree] / spec.tree_path
+        else:
+            self.source = ctx.patches_dir / spec.source
         if not self.source.exists():
             raise ToolkitError(
                 f"transform {spec.id}: deploy source {self.source} not found",
@@ -55,11 +64,20 @@ class DeployKind:
             out[target.relative_to(base).as_posix()] = (target, src)
         return out
 
-    def plan(self, base: Path, owned: dict[str, str]) -> FilePlan:
+    def contents(self, base: Path) -> dict[str, bytes]:
+        """Root-relative destination -> the bytes deployed there."""
+        return {rel: src.read_bytes() for rel, (_, src) in self.targets(base).items()}
+
+    def plan(self, base: Path, owned: dict[str, str], patched: frozenset[str] = frozenset()) -> FilePlan:
+        """patched: destinations that source transforms edit; the engine writes those, patched, itself."""
         ops: list[FileOp] = []
         conflicts: list[str] = []
         placed: list[tuple[str, str]] = []
+        first_time = 0  # files the engine writes, patched, because transforms edit them
         for rel, (target, src) in self.targets(base).items():
+            if rel in patched:
+                first_time += not target.exists()
+                continue
             data = src.read_bytes()
             placed.append((rel, sha256(data)))
             mode = 0o755 if src.stat().st_mode & 0o111 else 0o644
@@ -80,6 +98,9 @@ class DeployKind:
                 State.DRIFTED,
                 "; ".join(conflicts) + ": set `overwrite: true` if replacing the vendor file is intended",
             )
-        if not ops:
-            return FilePlan(State.ALREADY_APPLIED, f"{len(placed)} file(s) in place", owned=tuple(placed))
-        return FilePlan(State.APPLIED, f"{len(ops)} of {len(placed)} file(s) written", tuple(ops), tuple(placed))
+        mine = [rel for rel in self.targets(base) if rel in patched]
+        note = f" (+{len(mine)} written patched by transforms)" if mine else ""
+        if not ops and not first_time:
+            return FilePlan(State.ALREADY_APPLIED, f"{len(placed)} file(s) in place{note}", owned=tuple(placed))
+        return FilePlan(State.APPLIED, f"{len(ops)} of {len(placed)} file(s) written{note}", tuple(ops),
+                        tuple(placed))

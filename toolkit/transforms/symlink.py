@@ -8,11 +8,12 @@ from pathlib import Path
 
 from toolkit.recipe import Symlink
 from toolkit.results import State
+from toolkit.transforms.base import Context
 from toolkit.transforms.files import FileOp, FilePlan, under
 
 
 class SymlinkKind:
-    def __init__(self, spec: Symlink, patches_dir: Path) -> None:
+    def __init__(self, spec: Symlink, ctx: Context) -> None:
         self.spec = spec
 
     @property
