@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 # where vLLM's server flags and tool parsers are declared (0.6.x through 0.10.x)
@@ -11,32 +11,29 @@ PARSER_FILES = ("vllm/engine/arg_utils.py", "vllm/entrypoints/openai/cli_args.py
 TOOL_PARSER_DIR = "vllm/entrypoints/openai/tool_parsers"
 
 
-def flags_in_source(text: str) -> set[str]:
-    """Every `--flag` given as a positional string to an `add_argument(...)` call."""
-    found: set[str] = set()
+def _method_calls(text: str, method: str) -> Iterator[ast.Call]:
+    """Every `<anything>.method(...)` call in a module (none if it does not parse)."""
     try:
         tree = ast.parse(text)
     except SyntaxError:
-        return found
+        return
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
-            for arg in node.args:
-                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("--"):
-                    found.add(arg.value[2:])
-    return found
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method:
+            yield node
+
+
+def flags_in_source(text: str) -> set[str]:
+    """Every `--flag` given as a positional string to an `add_argument(...)` call."""
+    return {arg.value[2:] for call in _method_calls(text, "add_argument") for arg in call.args
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("--")}
 
 
 def tool_parsers_in_source(text: str) -> set[str]:
     """Names registered with `@ToolParserManager.register_module("name")` (a string or a list of them)."""
     found: set[str] = set()
-    try:
-        tree = ast.parse(text)
-    except SyntaxError:
-        return found
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "register_module" and node.args):
-            first = node.args[0]
+    for call in _method_calls(text, "register_module"):
+        if call.args:
+            first = call.args[0]
             values: Iterable[ast.expr] = first.elts if isinstance(first, ast.List | ast.Tuple) else [first]
             found.update(v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str))
     return found
