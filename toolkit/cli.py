@@ -265,7 +265,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="toolkit",
-        description="Apply, diff and verify a recipe's structural patches to a vendor vLLM tree.",
+        description="Build submissions for vendor vLLM images from a declarative recipe: lint it, apply its "
+        "structural patches to every vendor root, diff and verify them, and write the repository the platform builds.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"toolkit {__version__}")
