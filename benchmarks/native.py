@@ -27,18 +27,26 @@ HIDDEN, EXPERTS, TOP_K, INTER = 2048, 256, 8, 512
 HK, HV, DK, DV = 16, 32, 128, 128
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def once(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def timed_pair(ref: Callable[[], object], fast: Callable[[], object], device: torch.device,
+               repeat: int) -> tuple[float, float]:
+    """Medians of alternating runs, so drift in the machine's load hits both sides alike."""
+    ref(), fast()  # warm-up
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(repeat):
+        order = ((0, ref), (1, fast)) if i % 2 == 0 else ((1, fast), (0, ref))
+        for side, fn in order:
+            times[side].append(once(fn, device))
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main() -> int:
@@ -58,8 +66,7 @@ def main() -> int:
 
     def row(name: str, shape: str, ref: Callable[[], object], fast: Callable[[], object], goal: float | None,
             scope: str, repeat: int | None = None) -> None:
-        r = timed(ref, device, repeat or args.repeat)
-        f = timed(fast, device, repeat or args.repeat)
+        r, f = timed_pair(ref, fast, device, repeat or args.repeat)
         rows.append((name, shape, r, f, goal, scope))
         print(f"  measured {name} {shape}: {r * 1e3:.2f} ms vs {f * 1e3:.2f} ms", file=sys.stderr, flush=True)
 
@@ -82,7 +89,7 @@ def main() -> int:
         inputs = (rand(1024, HIDDEN), w13, w2, weights, ids)
         row("moe prefill sorted vs loop", "1024 tok", partial(moe.experts_loop, *inputs),
             partial(moe.experts_prefill_sorted, *inputs), 3.0 if on_gpu else 1.0,
-            "gpu>=3x" if on_gpu else "cpu>=1x", repeat=3)
+            "gpu>=3x" if on_gpu else "cpu>=1x", repeat=6)
 
     bench_moe()
 
@@ -94,7 +101,7 @@ def main() -> int:
     row("gdn chunked solve_triangular vs row loop", f"{n} tok",
         lambda: gdn.chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, solver="loop"),
         lambda: gdn.chunk_gated_delta_rule(q, k, v, gate, beta, use_qk_l2norm_in_kernel=True, solver="triangular"),
-        2.0, ">=2x", repeat=3)
+        2.0, ">=2x", repeat=4)
     # the triangular system alone, where the two solvers differ (the rest of the chunked path is shared)
     system = -torch.rand(1, HV, n // 64, 64, 64, generator=g).to(device).tril(-1) * 0.1
     row("gdn triangular system only: solve vs row loop", f"{n // 64}x64x64", lambda: gdn._solve_loop(system),

@@ -80,18 +80,17 @@ def experts_prefill_sorted(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // k
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    x = hidden[token_of]
     gathered_w = weights.reshape(-1)[order]
-    y = torch.empty(flat.shape[0], w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the one host sync
+    out = torch.zeros(tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
     start = 0
     for e, count in enumerate(counts):
         if count:
             end = start + count
-            y[start:end] = _swiglu(x[start:end] @ w13[e].t(), inter) @ w2[e].t()
+            rows = token_of[start:end]  # a segment at a time keeps the working set small
+            y = _swiglu(hidden[rows] @ w13[e].t(), inter) @ w2[e].t()
+            out.index_add_(0, rows, y.float() * gathered_w[start:end, None])
             start = end
-    out = torch.zeros(tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, token_of, y.float() * gathered_w[:, None])
     return out.to(hidden.dtype)
 
 
