@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +29,26 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm-toolkit"
     )
     return Path(base)
+
+
+COMPLETE = ".complete"  # written last into a cached folder: a folder without it is never used
+
+
+def cached_tree(target: Path, build: Callable[[Path, Path], None]) -> Path:
+    """A cache folder built once and atomically: build(tree, scratch) fills `tree` (scratch is thrown away)."""
+    if (target / COMPLETE).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        tree, scratch = Path(tmp) / "tree", Path(tmp) / "scratch"
+        scratch.mkdir()
+        build(tree, scratch)
+        tree.mkdir(exist_ok=True)
+        (tree / COMPLETE).write_text("ok\n")
+        if target.exists():
+            shutil.rmtree(target)
+        tree.rename(target)
+    return target
 
 
 def rootfs_roots(recipe: Recipe, rootfs: Path) -> list[Root]:
@@ -60,15 +83,13 @@ def fetch_reference(spec: str, python: str = "3.10", platform: str = "manylinux1
     """Download a release wheel with pip (cached) and unpack its Python files; returns the tree."""
     name, _, version = spec.partition("==")
     target = cache_dir() / "reference" / f"{name}-{version}-py{python}-{platform}"
-    if (target / ".complete").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+
+    def build(tree: Path, scratch: Path) -> None:
         print(f"fetching {spec} (python {python}, {platform}) with pip; cached in {target}", file=sys.stderr)
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
             "--python-version", python, "--platform", platform, "--progress-bar", "off",
-            "--disable-pip-version-check", spec, "-d", tmp,
+            "--disable-pip-version-check", spec, "-d", str(scratch),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -76,19 +97,15 @@ def fetch_reference(spec: str, python: str = "3.10", platform: str = "manylinux1
                 f"pip could not download {spec}: {last_line(proc.stderr) or f'exit {proc.returncode}'}",
                 hint="check the package index is reachable and the version exists (`pip index versions NAME`)",
             )
-        wheels = list(Path(tmp).glob("*.whl"))
+        wheels = list(scratch.glob("*.whl"))
         if len(wheels) != 1:
             raise SourceError(f"expected one wheel for {spec}, pip gave {[w.name for w in wheels]}")
-        tree = Path(tmp) / "tree"
         with zipfile.ZipFile(wheels[0]) as wheel:
             # native libraries are large and never patched; the Python files and metadata are what we need
             members = [m for m in wheel.namelist() if not m.endswith((".so", ".a"))]
             wheel.extractall(tree, members)
-        (tree / ".complete").write_text(wheels[0].name + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        tree.rename(target)
-    return target
+
+    return cached_tree(target, build)
 
 
 def last_line(text: str) -> str:
@@ -105,11 +122,8 @@ def export_commit(name: str, checkout: Path, commit: str) -> Path:
 
     Taken with `git archive`, so uncommitted edits in the checkout never leak into an image.
     """
-    import subprocess
-    import tarfile
-
     target = cache_dir() / "sources" / f"{name}-{commit}"
-    if (target / ".complete").exists():
+    if (target / COMPLETE).exists():
         return target
     if not (checkout / ".git").exists() and not checkout.joinpath("HEAD").exists():
         raise SourceError(f"source {name}: {checkout} is not a git checkout",
@@ -119,21 +133,14 @@ def export_commit(name: str, checkout: Path, commit: str) -> Path:
     if probe.returncode != 0:
         raise SourceError(f"source {name}: commit {commit} is not in {checkout}",
                           hint=f"git -C {checkout} fetch, or correct the pinned commit in the recipe")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+
+    def build(tree: Path, scratch: Path) -> None:
         archive = subprocess.run(["git", "-C", str(checkout), "archive", "--format=tar", commit],
                                  capture_output=True, check=True)
-        tree = Path(tmp) / "tree"
-        tree.mkdir()
-        import io
-
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(tree, filter="tar")
-        (tree / ".complete").write_text(commit + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        tree.rename(target)
-    return target
+
+    return cached_tree(target, build)
 
 
 def resolve_trees(recipe: Recipe, recipe_dir: Path, overrides: dict[str, str]) -> dict[str, Path]:

@@ -18,6 +18,7 @@ from toolkit.lint import lint
 from toolkit.recipe import Deploy, LoadedRecipe, Recipe, ReplaceBody, Source
 from toolkit.render import PAYLOAD, render
 from toolkit.results import Issue, Severity
+from toolkit.sources import COMPLETE
 from toolkit.variants import BASE, Variant, expand
 from toolkit.wheels import fetch_wheels
 
@@ -114,7 +115,7 @@ def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target
     for source in used_sources(recipe):
         if source.name in trees:  # bundled: the pinned commit, exported from the local checkout
             tree = trees[source.name]
-            for path in sorted(p for p in tree.rglob("*") if p.is_file() and p.name != ".complete"):
+            for path in sorted(p for p in tree.rglob("*") if p.is_file() and p.name != COMPLETE):
                 _write(payload / "sources" / source.name / path.relative_to(tree), path.read_bytes(),
                        executable=bool(path.stat().st_mode & 0o111))
     for wheel in fetch_wheels(recipe.base_image.python, recipe.base_image.platform):

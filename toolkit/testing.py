@@ -143,17 +143,10 @@ DEBIAN_PYTHON_PACKAGES = (
 def debian_python_rootfs() -> Path:
     """Debian's Python 3.11 unpacked into a folder (cached): the base of the stand-in vendor image."""
     import subprocess
-    import tempfile
 
-    from toolkit.sources import cache_dir
+    from toolkit.sources import cache_dir, cached_tree
 
-    target = cache_dir() / "docker-base" / "debian-python3.11"
-    if (target / ".complete").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        debs, root = Path(tmp) / "debs", Path(tmp) / "root"
-        debs.mkdir()
+    def build(root: Path, debs: Path) -> None:
         proc = subprocess.run(["apt-get", "download", *DEBIAN_PYTHON_PACKAGES], cwd=debs, capture_output=True,
                               text=True)
         if proc.returncode != 0:
@@ -164,11 +157,8 @@ def debian_python_rootfs() -> Path:
         os.symlink("python3.11", root / "usr/bin/python3")
         (root / "tmp").mkdir(exist_ok=True)
         os.chmod(root / "tmp", 0o1777)
-        (root / ".complete").write_text("ok\n")
-        if target.exists():
-            shutil.rmtree(target)
-        root.rename(target)
-    return target
+
+    return cached_tree(cache_dir() / "docker-base" / "debian-python3.11", build)
 
 
 def make_base_image(tag: str, reference: Path, *, edit: Callable[[Path], None] | None = None) -> str:
@@ -179,10 +169,12 @@ def make_base_image(tag: str, reference: Path, *, edit: Callable[[Path], None] |
 
     import docker
 
+    from toolkit.sources import COMPLETE
+
     with tempfile.TemporaryDirectory() as tmp:
         rootfs = Path(tmp) / "rootfs"
         shutil.copytree(debian_python_rootfs(), rootfs, symlinks=True)
-        (rootfs / ".complete").unlink()
+        (rootfs / COMPLETE).unlink()
         make_rootfs(reference, rootfs)
         if edit is not None:
             edit(rootfs)
