@@ -19,10 +19,10 @@ from toolkit.markers import append_markers, read_markers
 from toolkit.recipe import Deploy, LoadedRecipe, SourceTransform, TransformBase
 from toolkit.results import Result, State
 from toolkit.sources import Root, vendor_version
-from toolkit.transforms import file_kind, source_kind
+from toolkit.transforms import FileKind, file_kind, source_kind
 from toolkit.transforms.base import Context, decide
 from toolkit.transforms.deploy import DeployKind
-from toolkit.transforms.files import FileOp
+from toolkit.transforms.files import FileOp, FilePlan
 
 STATE_FILE = ".toolkit/state.json"
 ROOTFS_LABEL = "/"
@@ -292,6 +292,25 @@ class Engine:
         deployed = read_state(root).get("deployed", {})
         return {str(k): str(v) for k, v in deployed.items()} if isinstance(deployed, dict) else {}
 
+    def file_bases(self, kind: FileKind) -> list[tuple[str, Path]]:
+        """Where a deploy or link acts: the image filesystem (absolute paths) or every vendor root."""
+        if kind.rootfs_level:
+            return [(ROOTFS_LABEL, self.rootfs)] if self.rootfs is not None else []
+        return [(r.label, r.path) for r in self.roots]
+
+    def no_rootfs(self, kind: FileKind) -> Result | None:
+        """The GATED_OFF result of an image-level deploy or link when no image filesystem is given."""
+        if not kind.rootfs_level or self.rootfs is not None:
+            return None
+        return self._result(kind.spec, ROOTFS_LABEL, kind.spec.target_label, State.GATED_OFF,
+                            "writes outside the vendor roots; no image filesystem is given (--reference mode)")
+
+    def plan_file_kind(self, kind: FileKind, base: Path, owned: dict[str, str]) -> FilePlan:
+        if isinstance(kind, DeployKind) and not kind.rootfs_level:
+            # files that source transforms edit are written by the engine, deployed and patched at once
+            return kind.plan(base, owned, frozenset(self.deployed))
+        return kind.plan(base, owned)
+
     def _plan_files(self, version: str | None) -> dict[str, dict[str, str]]:
         """Plan deploys and links; returns what each root's state should record as ours."""
         owned_out: dict[str, dict[str, str]] = defaultdict(dict)
@@ -299,29 +318,18 @@ class Engine:
         for tid, kind in self.files.items():
             spec = kind.spec
             why_off = gated_off(spec, version)
-            if kind.rootfs_level:
-                targets: list[tuple[str, Path]] = []
-                if self.rootfs is None:
-                    self.plan.results.append(self._result(
-                        spec, ROOTFS_LABEL, spec.target_label, State.GATED_OFF,
-                        "writes outside the vendor roots; there is no image filesystem in --reference mode"))
-                    continue
-                targets = [(ROOTFS_LABEL, self.rootfs)]
-                owned_all = {k[1:]: v for k, v in self._owned(state_root).items() if k.startswith("/")}
-            else:
-                targets = [(r.label, r.path) for r in self.roots]
-                owned_all = {}
-            for label, base in targets:
+            if (skipped := self.no_rootfs(kind)) is not None:
+                self.plan.results.append(skipped)
+                continue
+            owned_rootfs = {k[1:]: v for k, v in self._owned(state_root).items() if k.startswith("/")}
+            for label, base in self.file_bases(kind):
                 shown = spec.target_label
                 if why_off:
                     self.plan.results.append(self._result(spec, label, shown, State.GATED_OFF, why_off))
                     continue
-                owned = owned_all if kind.rootfs_level else {
+                owned = owned_rootfs if kind.rootfs_level else {
                     k: v for k, v in self._owned(base).items() if not k.startswith("/")}
-                if isinstance(kind, DeployKind):
-                    fp = kind.plan(base, owned, frozenset(self.deployed) if not kind.rootfs_level else frozenset())
-                else:
-                    fp = kind.plan(base, owned)
+                fp = self.plan_file_kind(kind, base, owned)
                 self.plan.results.append(self._result(spec, label, shown, fp.state, fp.message))
                 self.plan.ops.extend(fp.ops)
                 for rel, digest in fp.owned:

@@ -9,17 +9,14 @@ import libcst as cst
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from toolkit.engine import ROOTFS_LABEL, STATE_FILE, Engine, TextFile, gated_off, read_state
+from toolkit.engine import STATE_FILE, Engine, TextFile, gated_off, read_state
 from toolkit.markers import read_markers
 from toolkit.recipe import LoadedRecipe, SourceTransform
 from toolkit.results import Finding, Report, Result, State
 from toolkit.sources import Root, vendor_version
 from toolkit.transforms.base import Probe, decide
-from toolkit.transforms.deploy import DeployKind
 
-_NOT_DONE = {
-    State.APPLIED: "not applied: the pre-state is still there (run `toolkit apply`)",
-}
+NOT_APPLIED = "not applied: the pre-state is still there (run `toolkit apply`)"
 
 
 Parsed = tuple[TextFile, cst.Module, dict[str, Probe]]
@@ -63,7 +60,7 @@ def _verify_sources(engine: Engine, root: Root, version: str | None,
             decision = decide(spec, probes[spec.id], markers.get(spec.id))
             state, message = decision.state, decision.message
             if state is State.APPLIED:
-                state, message = State.DRIFTED, f"{rel}: {_NOT_DONE[State.APPLIED]}"
+                state, message = State.DRIFTED, f"{rel}: {NOT_APPLIED}"
             elif state is State.SUPERSEDED and isinstance(marked, list) and spec.id in marked:
                 state, message = State.DRIFTED, (
                     f"{rel}: marker missing although toolkit applied this transform here "
@@ -89,8 +86,9 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
     findings: list[Finding] = []
     notes: list[str] = []
     cache: dict[tuple[str, str], Parsed | Exception] = {}
+    versions = {root.label: vendor_version(root.path, recipe.vendor.package) for root in roots}
     for root in roots:
-        version = vendor_version(root.path, recipe.vendor.package)
+        version = versions[root.label]
         notes.append(f"{root.label}: {recipe.vendor.package} {version}")
         try:
             ok_version = version is not None and Version(version) in SpecifierSet(recipe.vendor.version)
@@ -105,24 +103,20 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
         for pattern in recipe.checks.lf_only:
             findings.extend(_lf_findings(root.label, root.path, sorted(root.path.glob(pattern)), "line-endings"))
     # deploys and links: planning them with nothing left to do is exactly "in place"
-    version = vendor_version(roots[0].path, recipe.vendor.package)
+    version = versions[roots[0].label]
     for spec in recipe.transforms:
         if isinstance(spec, SourceTransform):
             continue
         kind = engine.files[spec.id]
         shown = spec.target_label
-        bases = ([(ROOTFS_LABEL, rootfs)] if rootfs is not None else []) if kind.rootfs_level else [
-            (r.label, r.path) for r in roots]
-        if kind.rootfs_level and rootfs is None:
-            results.append(engine._result(spec, ROOTFS_LABEL, shown, State.GATED_OFF, "no image filesystem given"))
-        for label, base in bases:
-            assert base is not None
+        if (skipped := engine.no_rootfs(kind)) is not None:
+            results.append(skipped)
+        for label, base in engine.file_bases(kind):
             why_off = gated_off(spec, version)
             if why_off:
                 results.append(engine._result(spec, label, shown, State.GATED_OFF, why_off))
                 continue
-            plan = (kind.plan(base, {}, frozenset(engine.deployed)) if isinstance(kind, DeployKind)
-                    and not kind.rootfs_level else kind.plan(base, {}))
+            plan = engine.plan_file_kind(kind, base, {})
             state, message = plan.state, plan.message
             if state is State.APPLIED:
                 state, message = State.DRIFTED, f"not in place: {message}"
