@@ -191,16 +191,68 @@ recipes = st.fixed_dictionaries({
 }, optional={"env": st.dictionaries(ident.map(str.upper), text, max_size=3)})
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# built once: checking the schema itself on every validate() call cost seconds per test
+VALIDATOR = jsonschema.Draft202012Validator(json_schema())
+
+
+def loader_accepts(data: dict[str, Any]) -> tuple[bool, str]:
+    try:
+        parse_recipe(yaml.safe_dump(data, allow_unicode=True), "generated.yaml")
+    except RecipeError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(recipes)
-def test_valid_recipes_round_trip_through_yaml_and_schema(data: dict[str, Any]) -> None:
-    schema = json_schema()
-    jsonschema.validate(data, schema)  # what we generate is valid by the schema...
-    recipe, _ = parse_recipe(yaml.safe_dump(data, allow_unicode=True), "generated.yaml")  # ...and by the model
+def test_schema_and_loader_agree_and_valid_recipes_round_trip(data: dict[str, Any]) -> None:
+    # identifiers are drawn with keywords in (`as`, `if`...): the schema and the loader must say the same of them
+    schema_errors = [e.message for e in VALIDATOR.iter_errors(data)]
+    accepted, why = loader_accepts(data)
+    assert accepted == (not schema_errors), f"loader: {why or 'accepts'}; schema: {schema_errors or 'accepts'}"
+    if not accepted:
+        return
+    recipe, _ = parse_recipe(yaml.safe_dump(data, allow_unicode=True), "generated.yaml")
     dumped = recipe.model_dump(mode="json", exclude_none=True)
-    jsonschema.validate(dumped, schema)
+    VALIDATOR.validate(dumped)
     again, _ = parse_recipe(yaml.safe_dump(dumped, allow_unicode=True), "dumped.yaml")
     assert again == recipe
+
+
+NAME_CASES = [
+    ("set-kwarg", "call", "as"), ("set-kwarg", "call", "torch.if.x"), ("set-kwarg", "arg", "not-an-arg"),
+    ("set-kwarg", "arg", "for"), ("assign", "target", "self.x"), ("assign", "target", "None"),
+    ("dict-entries", "name", "a b"), ("dispatch", "target", "mod:class"), ("dispatch", "target", "import.m:f"),
+    ("add-import", "names", ["ok", "lambda"]), ("set-kwarg", "scope", "A..b"),
+]
+
+
+@pytest.mark.parametrize(("kind", "field", "value"), NAME_CASES, ids=lambda v: str(v))
+def test_bad_names_are_refused_by_both_schema_and_loader(kind: str, field: str, value: Any) -> None:
+    base: dict[str, dict[str, Any]] = {
+        "set-kwarg": {"call": "ModelConfig", "arg": "enforce_eager", "new": "False"},
+        "assign": {"target": "use_v1", "old": "True"},
+        "dict-entries": {"name": "_MODELS", "entries": {"a": "1"}},
+        "dispatch": {"switch": "X", "target": "pkg.mod:fn"},
+        "add-import": {"module": "os", "names": ["path"]},
+    }
+    transform = {"kind": kind, "id": "t", "file": "m.py", "why": "w", "remove_when": "r", **base[kind]}
+    data = yaml.safe_load(GOOD)
+    data["transforms"] = [transform]
+    accepted, _ = loader_accepts(data)
+    assert accepted and VALIDATOR.is_valid(data)  # the unmodified transform is valid by both
+    transform[field] = value
+    accepted, why = loader_accepts(data)
+    assert not accepted and not VALIDATOR.is_valid(data), why
+    assert f"transforms.0.{field}" in why
+
+
+def test_serve_module_must_be_a_module_name() -> None:
+    data = yaml.safe_load(GOOD)
+    data["serve"]["module"] = "not a module!"
+    accepted, why = loader_accepts(data)
+    assert not accepted and not VALIDATOR.is_valid(data)
+    assert "serve.module" in why
 
 
 @settings(max_examples=80, deadline=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import keyword
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Annotated, Any, Literal
 import libcst as cst
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from toolkit.errors import RecipeError
 from toolkit.yamlpos import Located, YamlLoadError, load
@@ -35,12 +36,6 @@ def _python_expression(value: str) -> str:
     return value
 
 
-def _dotted(value: str) -> str:
-    if value and not all(part.isidentifier() and not keyword.iskeyword(part) for part in value.split(".")):
-        raise ValueError(f"not a dotted Python name: {value!r}")
-    return value
-
-
 def _relative_path(value: str) -> str:
     path = PurePosixPath(value)
     if path.is_absolute() or ".." in path.parts or "\\" in value or not value:
@@ -48,8 +43,32 @@ def _relative_path(value: str) -> str:
     return value
 
 
-PyExpr = Annotated[str, Field(description="A Python expression, compared structurally (formatting-independent)")]
-DottedName = Annotated[str, Field(description="A dotted Python name")]
+# Names are defined once, as a pattern plus a keyword ban; the loader and the JSON Schema both take them from here,
+# so a value one accepts the other accepts too.
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
+_KEYWORDS = "|".join(keyword.kwlist)
+
+
+def _name_type(pattern: str, separators: str, description: str) -> Any:
+    edge = f"[{re.escape(separators)}]" if separators else "$^"
+    banned = rf"(?:^|{edge})(?:{_KEYWORDS})(?:{edge}|$)"
+
+    def no_keyword(value: str) -> str:
+        if re.search(banned, value):
+            raise ValueError(f"{value!r} uses a Python keyword as a name")
+        return value
+
+    return Annotated[str, Field(pattern=f"^{pattern}$", description=description,
+                                json_schema_extra={"not": {"pattern": banned}}), AfterValidator(no_keyword)]
+
+
+PyExpr = Annotated[str, Field(description="A Python expression, compared structurally (formatting-independent)"),
+                   AfterValidator(_python_expression)]
+Identifier = _name_type(_IDENT, "", "A Python identifier (not a keyword)")
+DottedName = _name_type(_DOTTED, ".", "A dotted Python name, e.g. torch.ops.foo")
+ScopeName = _name_type(f"(?:{_DOTTED})?", ".", "A dotted scope inside the module; empty for the module itself")
+CallableRef = _name_type(f"{_DOTTED}:{_IDENT}", ".:", "A callable as module.path:function")
 
 
 class Hardware(Strict):
@@ -164,7 +183,7 @@ class TransformBase(Strict):
 
 class SourceTransform(TransformBase):
     file: str = Field(description="Module path relative to the vendor root, e.g. vllm/engine/arg_utils.py")
-    scope: str = Field(default="", description="Dotted scope inside the module, e.g. EngineArgs.create_model_config")
+    scope: ScopeName = Field(default="", description="Dotted scope inside the module, e.g. EngineArgs.create_model_config")
     expect: int = Field(default=1, ge=1, description="How many sites must match (the match contract)")
 
     @field_validator("file")
@@ -175,34 +194,24 @@ class SourceTransform(TransformBase):
             raise ValueError(f"source transforms edit .py files, got {value!r}")
         return value
 
-    @field_validator("scope")
-    @classmethod
-    def _scope(cls, value: str) -> str:
-        return _dotted(value)
-
 
 class SetKwarg(SourceTransform):
     """Set a keyword argument of a call inside a scope (un-hardcode a literal)."""
 
     kind: Literal["set-kwarg"]
     call: DottedName = Field(description="The callee as written, e.g. ModelConfig or torch.ops.foo")
-    arg: str = Field(description="The keyword argument name")
+    arg: Identifier = Field(description="The keyword argument name")
     old: PyExpr | None = Field(default=None, description="The value it must have now (any value when omitted)")
     new: PyExpr = Field(description="The value to set")
-
-    _c = field_validator("call")(classmethod(lambda cls, v: _dotted(v)))
-    _e = field_validator("old", "new")(classmethod(lambda cls, v: v if v is None else _python_expression(v)))
 
 
 class Assign(SourceTransform):
     """Replace or remove a plain assignment `target = old` inside a scope."""
 
     kind: Literal["assign"]
-    target: str = Field(description="The assigned name")
+    target: Identifier = Field(description="The assigned name")
     old: PyExpr | None = Field(default=None, description="The value assigned now (any value when omitted)")
     new: PyExpr | None = Field(default=None, description="The new value; omit to remove the statement")
-
-    _e = field_validator("old", "new")(classmethod(lambda cls, v: v if v is None else _python_expression(v)))
 
     @model_validator(mode="after")
     def _remove_needs_old(self) -> Assign:
@@ -215,16 +224,9 @@ class DictEntries(SourceTransform):
     """Insert entries into a dict literal bound to a name."""
 
     kind: Literal["dict-entries"]
-    name: str = Field(description="The name the dict literal is assigned to")
+    name: Identifier = Field(description="The name the dict literal is assigned to")
     entries: dict[str, PyExpr] = Field(min_length=1, description="String key -> value expression")
     after: str | None = Field(default=None, description="Insert after this existing key (default: at the end)")
-
-    @field_validator("entries")
-    @classmethod
-    def _values(cls, entries: dict[str, str]) -> dict[str, str]:
-        for value in entries.values():
-            _python_expression(value)
-        return entries
 
 
 class Dispatch(SourceTransform):
@@ -233,32 +235,12 @@ class Dispatch(SourceTransform):
     kind: Literal["dispatch"]
     switch: str = Field(pattern=ENV_PATTERN, description="Environment variable that turns the fast path on")
     default: Literal["0", "1"] = Field(default="1", description="Value of the switch when it is unset")
-    target: str = Field(description="The injected callable, as module.path:function")
+    target: CallableRef = Field(description="The injected callable, as module.path:function")
     args: list[PyExpr] | None = Field(
         default=None, description="Arguments passed to it (default: the function's own parameters, in order)"
     )
     when: PyExpr | None = Field(default=None, description="An extra condition, evaluated inside the function")
 
-    @field_validator("target")
-    @classmethod
-    def _target(cls, value: str) -> str:
-        module, sep, func = value.partition(":")
-        if not sep or not func.isidentifier():
-            raise ValueError(f"target must be module.path:function, got {value!r}")
-        _dotted(module)
-        return value
-
-    @field_validator("args")
-    @classmethod
-    def _args(cls, args: list[str] | None) -> list[str] | None:
-        for arg in args or []:
-            _python_expression(arg)
-        return args
-
-    @field_validator("when")
-    @classmethod
-    def _when(cls, value: str | None) -> str | None:
-        return value if value is None else _python_expression(value)
 
 
 class AddImport(SourceTransform):
@@ -266,9 +248,8 @@ class AddImport(SourceTransform):
 
     kind: Literal["add-import"]
     module: DottedName
-    names: list[str] = Field(default_factory=list, description="Names to import from the module (empty: import it)")
-
-    _m = field_validator("module")(classmethod(lambda cls, v: _dotted(v)))
+    names: list[Identifier] = Field(default_factory=list,
+                                    description="Names to import from the module (empty: import it)")
 
     @model_validator(mode="after")
     def _module_scope(self) -> AddImport:
@@ -293,7 +274,8 @@ class ReplaceBody(SourceTransform):
         if not sep:
             raise ValueError(f"source must be path.py:function, got {value!r}")
         _relative_path(path)
-        _dotted(qualname)
+        if not re.fullmatch(_DOTTED, qualname) or any(keyword.iskeyword(p) for p in qualname.split(".")):
+            raise ValueError(f"not a dotted Python name: {qualname!r}")
         return value
 
 
@@ -447,8 +429,6 @@ class Recipe(Strict):
     @field_validator("variants")
     @classmethod
     def _variant_names(cls, variants: dict[str, Overrides]) -> dict[str, Overrides]:
-        import re
-
         for name in variants:
             if not re.match(ID_PATTERN, name) or name == "base":
                 raise ValueError(f"variant names are lowercase ids (and not 'base'), got {name!r}")
@@ -467,8 +447,6 @@ class Recipe(Strict):
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        import re
-
         for name in env:
             if not re.match(ENV_PATTERN, name):
                 raise ValueError(f"not an environment variable name: {name!r}")
