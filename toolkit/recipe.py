@@ -183,7 +183,8 @@ class TransformBase(Strict):
 
 class SourceTransform(TransformBase):
     file: str = Field(description="Module path relative to the vendor root, e.g. vllm/engine/arg_utils.py")
-    scope: ScopeName = Field(default="", description="Dotted scope inside the module, e.g. EngineArgs.create_model_config")
+    scope: ScopeName = Field(default="",
+                             description="Dotted scope inside the module, e.g. EngineArgs.create_model_config")
     expect: int = Field(default=1, ge=1, description="How many sites must match (the match contract)")
 
     @field_validator("file")
