@@ -50,25 +50,35 @@ _DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
 _KEYWORDS = "|".join(keyword.kwlist)
 
 
-def _name_type(pattern: str, separators: str, description: str) -> Any:
+def _banned(separators: str) -> str:
     edge = f"[{re.escape(separators)}]" if separators else "$^"
-    banned = rf"(?:^|{edge})(?:{_KEYWORDS})(?:{edge}|$)"
+    return rf"(?:^|{edge})(?:{_KEYWORDS})(?:{edge}|$)"
 
-    def no_keyword(value: str) -> str:
+
+def _name_field(pattern: str, separators: str, description: str) -> Any:
+    return Field(pattern=f"^{pattern}$", description=description,
+                 json_schema_extra={"not": {"pattern": _banned(separators)}})
+
+
+def _no_keyword(separators: str) -> AfterValidator:
+    banned = _banned(separators)
+
+    def check(value: str) -> str:
         if re.search(banned, value):
             raise ValueError(f"{value!r} uses a Python keyword as a name")
         return value
 
-    return Annotated[str, Field(pattern=f"^{pattern}$", description=description,
-                                json_schema_extra={"not": {"pattern": banned}}), AfterValidator(no_keyword)]
+    return AfterValidator(check)
 
 
 PyExpr = Annotated[str, Field(description="A Python expression, compared structurally (formatting-independent)"),
                    AfterValidator(_python_expression)]
-Identifier = _name_type(_IDENT, "", "A Python identifier (not a keyword)")
-DottedName = _name_type(_DOTTED, ".", "A dotted Python name, e.g. torch.ops.foo")
-ScopeName = _name_type(f"(?:{_DOTTED})?", ".", "A dotted scope inside the module; empty for the module itself")
-CallableRef = _name_type(f"{_DOTTED}:{_IDENT}", ".:", "A callable as module.path:function")
+Identifier = Annotated[str, _name_field(_IDENT, "", "A Python identifier (not a keyword)"), _no_keyword("")]
+DottedName = Annotated[str, _name_field(_DOTTED, ".", "A dotted Python name, e.g. torch.ops.foo"), _no_keyword(".")]
+ScopeName = Annotated[str, _name_field(f"(?:{_DOTTED})?", ".", "A dotted scope; empty for the module"),
+                      _no_keyword(".")]
+CallableRef = Annotated[str, _name_field(f"{_DOTTED}:{_IDENT}", ".:", "A callable as module.path:function"),
+                        _no_keyword(".:")]
 
 
 class Hardware(Strict):
