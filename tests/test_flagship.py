@@ -140,6 +140,33 @@ def test_drifted_vendor_file_changes_nothing(cli, corex_rootfs: Path) -> None:
     assert drifted[0]["recipe_line"] == line_of("- id: unhardcode-enforce-eager")
 
 
+@pytest.mark.parametrize("value", ["bool(1)", "not False"])
+def test_a_changed_value_is_drift_not_superseded(cli, corex_rootfs: Path, value: str) -> None:
+    # the vendor still forces V1, spelled differently: the image would build with V1 forced
+    for root in roots_of(corex_rootfs):
+        path = root / "vllm/attention/ops/paged_attn.py"
+        text = path.read_text()
+        assert text.count("use_v1 = True") == 1
+        path.write_text(text.replace("use_v1 = True", f"use_v1 = {value}"))
+    before = tree_digest(corex_rootfs)
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+    assert result.code == 1, result.out
+    assert tree_digest(corex_rootfs) == before
+    found = {r["root"]: r for r in result.json()["results"] if r["transform"] == "drop-forced-paged-attn-v1"}
+    assert len(found) == 2 and {r["state"] for r in found.values()} == {"DRIFTED"}
+    assert all(f"use_v1 = {value}" in r["message"] for r in found.values())
+
+
+def test_upstream_heuristic_alone_is_superseded(cli, corex_rootfs: Path) -> None:
+    for root in roots_of(corex_rootfs):
+        path = root / "vllm/attention/ops/paged_attn.py"
+        path.write_text(path.read_text().replace("use_v1 = True", "pass"))
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+    assert result.code == 0, result.out
+    found = [r for r in result.json()["results"] if r["transform"] == "drop-forced-paged-attn-v1"]
+    assert [r["state"] for r in found] == ["SUPERSEDED", "SUPERSEDED"]
+
+
 def test_roots_that_differ_are_refused(cli, corex_rootfs: Path) -> None:
     lib64 = roots_of(corex_rootfs)[1] / "vllm/attention/ops/paged_attn.py"
     lib64.write_text(lib64.read_text() + "\n# hand edit in one root only\n")

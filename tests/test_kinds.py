@@ -78,7 +78,7 @@ CASES = [
     Case(
         "assign-remove",
         {"id": "use-v1", "kind": "assign", "file": "vllm/attention/ops/paged_attn.py",
-         "scope": "PagedAttention.forward_decode", "target": "use_v1", "old": "True"},
+         "scope": "PagedAttention.forward_decode", "target": "use_v1", "old": "True", "others": 1},
         _sub(r"def forward_decode\(", "def forward_decode_v1("),
         lambda t: "use_v1 = True" not in t,
         ("no scope 'PagedAttention.forward_decode'", "PagedAttention.forward_decode_v1"),

@@ -223,6 +223,10 @@ class Assign(SourceTransform):
     target: Identifier = Field(description="The assigned name")
     old: PyExpr | None = Field(default=None, description="The value assigned now (any value when omitted)")
     new: PyExpr | None = Field(default=None, description="The new value; omit to remove the statement")
+    others: int = Field(
+        default=0, ge=0,
+        description="How many other assignments to the target the scope holds, before and after (e.g. upstream's "
+        "own heuristic before a vendor override); any other count means the code changed: DRIFTED")
 
     @model_validator(mode="after")
     def _remove_needs_old(self) -> Assign:

@@ -38,19 +38,27 @@ class AssignKind:
             return same_expr(stmt.value, self.spec.old)
         return self.spec.new is not None and not same_expr(stmt.value, self.spec.new)
 
+    def _is_post(self, stmt: cst.Assign) -> bool:
+        return self.spec.new is not None and same_expr(stmt.value, self.spec.new)
+
     def probe(self, module: cst.Module) -> Probe:
         scope = scope_or_none(module, self.spec)
         if scope is None:
             return missing_scope(module, self.spec, self._expected())
         sites = self._sites(scope)
         pre = sum(1 for _, s, _ in sites if self._is_pre(s))
-        if self.spec.new is None:
-            # a removal's post-state is the absence of the old statement in a scope that still exists
-            post = self.spec.expect if pre == 0 else 0
-        else:
-            post = sum(1 for _, s, _ in sites if same_expr(s.value, self.spec.new))
+        post = sum(1 for _, s, _ in sites if self._is_post(s))
+        others = len(sites) - pre - post
         shown = "; ".join(f"`{self.spec.target} = {code_of(s.value).strip()}`" for _, s, _ in sites)
-        return Probe(pre, post, shown or f"no assignment to {self.spec.target}", self._expected())
+        shown = shown or f"no assignment to {self.spec.target}"
+        if others != self.spec.others:
+            # a changed value is drift, never absence: only the declared number of other assignments may remain
+            return Probe(0, 0, f"{shown} ({others} other assignment(s) to {self.spec.target}, the recipe "
+                         f"declares others: {self.spec.others})", self._expected())
+        if self.spec.new is None:
+            # a removal's post-state: the old statement gone, the declared other assignments still there
+            post = self.spec.expect if pre == 0 else 0
+        return Probe(pre, post, shown, self._expected())
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)

@@ -76,7 +76,11 @@ class DictEntriesKind:
             pre += is_pre
             post += is_post
             notes.append(note)
-        return Probe(pre, post, f"{len(dicts)} dict(s) named {self.spec.name}: " + " | ".join(notes), self._expected())
+        found = f"{len(dicts)} dict(s) named {self.spec.name}: " + " | ".join(notes)
+        if pre + post != len(dicts):
+            # a dict holding some of our keys, or other values for them, is a changed vendor: drift
+            return Probe(0, 0, found, self._expected())
+        return Probe(pre, post, found, self._expected())
 
     def _insert(self, d: cst.Dict) -> cst.Dict:
         elements = list(d.elements)

@@ -41,6 +41,9 @@ class SetKwargKind:
         post = sum(1 for a in sites if same_expr(a.value, self.spec.new))
         values = ", ".join(f"{self.spec.arg}={code_of(a.value).strip()}" for a in sites) or "no such keyword"
         found = f"{calls} call(s) to {self.spec.call} in scope, with {values}"
+        if pre + post != len(sites):
+            # a site with a third value is a changed vendor, never "already done"
+            return Probe(0, 0, found, self._expected())
         return Probe(pre, post, found, self._expected())
 
     def rewrite(self, module: cst.Module) -> cst.Module:

@@ -1,0 +1,75 @@
+"""Each source kind decides its state structurally: the pre-state, the post-state, and a changed value (drift).
+
+A changed value is never "already done": SUPERSEDED means the file is in the post-state, decided by the same
+structural match as the rewrite, not by the old text being absent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import libcst as cst
+import pytest
+from pydantic import TypeAdapter
+
+from toolkit.recipe import Transform
+from toolkit.results import State
+from toolkit.transforms import source_kind
+from toolkit.transforms.base import Context, decide
+
+PROVENANCE = {"why": "test", "remove_when": "never", "file": "m.py"}
+
+# kind spec, then (module source, expected state) rows; no marker is present in any of them
+TABLE: list[tuple[str, dict[str, Any], list[tuple[str, State]]]] = [
+    ("assign-remove", {"kind": "assign", "scope": "f", "target": "use_v1", "old": "True", "others": 1}, [
+        ("def f(n):\n    use_v1 = n < 8\n    use_v1 = True\n    return use_v1\n", State.APPLIED),
+        ("def f(n):\n    use_v1 = n < 8\n    return use_v1\n", State.SUPERSEDED),
+        ("def f(n):\n    use_v1 = n < 8\n    use_v1 = bool(1)\n    return use_v1\n", State.DRIFTED),
+        ("def f(n):\n    use_v1 = n < 8\n    use_v1 = not False\n    return use_v1\n", State.DRIFTED),
+        ("def f(n):\n    return True\n", State.DRIFTED),  # the heuristic itself went: not the code we know
+    ]),
+    ("assign-remove-sole", {"kind": "assign", "target": "FLAG", "old": "True"}, [
+        ("FLAG = True\n", State.APPLIED),
+        ("X = 1\n", State.SUPERSEDED),
+        ("FLAG = 1 == 1\n", State.DRIFTED),
+    ]),
+    ("assign-replace", {"kind": "assign", "target": "HAS_TRITON", "old": "False", "new": "probe()"}, [
+        ("HAS_TRITON = False\n", State.APPLIED),
+        ("HAS_TRITON = probe()\n", State.SUPERSEDED),
+        ("HAS_TRITON = bool(0)\n", State.DRIFTED),
+        ("HAS_TRITON = probe()\nHAS_TRITON = bool(0)\n", State.DRIFTED),
+    ]),
+    ("set-kwarg", {"kind": "set-kwarg", "scope": "f", "call": "Config", "arg": "eager", "old": "True",
+                   "new": "self.eager"}, [
+        ("def f(self):\n    return Config(eager=True)\n", State.APPLIED),
+        ("def f(self):\n    return Config(eager=self.eager)\n", State.SUPERSEDED),
+        ("def f(self):\n    return Config(eager=bool(1))\n", State.DRIFTED),
+        ("def f(self):\n    Config(eager=self.eager)\n    return Config(eager=False)\n", State.DRIFTED),
+    ]),
+    ("dict-entries", {"kind": "dict-entries", "name": "MODELS", "entries": {"b": "2"}, "after": "a"}, [
+        ("MODELS = {'a': 1}\n", State.APPLIED),
+        ("MODELS = {'a': 1, 'b': 2}\n", State.SUPERSEDED),
+        ("MODELS = {'a': 1, 'b': 3}\n", State.DRIFTED),
+        ("if X:\n    MODELS = {'a': 1}\nelse:\n    MODELS = {'a': 1, 'b': 3}\n", State.DRIFTED),
+    ]),
+    ("add-import", {"kind": "add-import", "module": "os"}, [
+        ("x = 1\n", State.APPLIED),
+        ("import os\nx = 1\n", State.SUPERSEDED),
+    ]),
+]
+CASES = [(name, spec, source, state) for name, spec, rows in TABLE for source, state in rows]
+
+
+@pytest.mark.parametrize(("name", "spec", "source", "state"), CASES,
+                         ids=[f"{c[0]}-{i}-{c[3].value}" for i, c in enumerate(CASES)])
+def test_state_is_decided_structurally(name: str, spec: dict[str, Any], source: str, state: State) -> None:
+    model = TypeAdapter(Transform).validate_python({"id": name, **PROVENANCE, **spec})
+    kind = source_kind(model, Context(patches_dir=Path(".")))  # type: ignore[arg-type]
+    module = cst.parse_module(source)
+    decision = decide(model, kind.probe(module), None)  # type: ignore[arg-type]
+    assert decision.state is state, decision.message
+    if state is State.APPLIED:
+        # the rewrite lands in the post-state: probing the result again reads SUPERSEDED (no marker here)
+        again = decide(model, kind.probe(kind.rewrite(module)), None)  # type: ignore[arg-type]
+        assert again.state is State.SUPERSEDED, again.message
