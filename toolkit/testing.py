@@ -72,7 +72,7 @@ def make_rootfs(reference: Path, rootfs: Path, *, corex: bool = True, roots: tup
     """Lay out an image-like filesystem with the vendor package under every root.
 
     /usr/local/corex is a relative link to /usr/local/corex-3.2.3, as in the image; the cusolver
-    library the recipe links to is an empty stand-in file.
+    library the recipe links to is an empty stand-in file behind the usual soname link.
     """
     real = rootfs / "usr/local/corex-3.2.3"
     real.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,10 @@ def make_rootfs(reference: Path, rootfs: Path, *, corex: bool = True, roots: tup
             corexify(target)
     lib64 = real / "lib64"
     lib64.mkdir(parents=True, exist_ok=True)
-    (lib64 / "libcusolver.so.11").write_bytes(b"")
+    # the usual soname chain: the versioned file and a link to it
+    (lib64 / "libcusolver.so.11.4.1.48").write_bytes(b"")
+    if not (lib64 / "libcusolver.so.11").is_symlink():
+        os.symlink("libcusolver.so.11.4.1.48", lib64 / "libcusolver.so.11")
     return rootfs
 
 

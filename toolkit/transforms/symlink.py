@@ -12,6 +12,16 @@ from toolkit.transforms.base import Context
 from toolkit.transforms.files import FileOp, FilePlan, under
 
 
+def resolve_in(base: Path, path: Path, limit: int = 40) -> Path:
+    """Follow a chain of links as the image would: absolute targets are inside base, not on this host."""
+    for _ in range(limit):
+        if not path.is_symlink():
+            return Path(os.path.normpath(path))
+        target = os.readlink(path)
+        path = under(base, target) if target.startswith("/") else path.parent / target
+    return Path(os.path.normpath(path))
+
+
 class SymlinkKind:
     def __init__(self, spec: Symlink, ctx: Context) -> None:
         self.spec = spec
@@ -21,16 +31,25 @@ class SymlinkKind:
         return self.spec.link.startswith("/")
 
     def _target(self, base: Path, link: Path) -> tuple[str | None, str]:
+        """The link target and a note on how a glob was resolved (or None and why not)."""
         folder = link.parent
         if self.spec.is_glob:
             names = sorted(
                 p.name for p in folder.iterdir()
                 if fnmatch.fnmatch(p.name, self.spec.target) and p.name != link.name
             ) if folder.is_dir() else []
-            if len(names) != self.spec.expect:
+            # a soname chain (libx.so.11 -> libx.so.11.4.1) is one library reached by several names
+            files: dict[Path, list[str]] = {}
+            for name in names:
+                files.setdefault(resolve_in(base, folder / name), []).append(name)
+            if len(files) != self.spec.expect:
+                shown = "; ".join(" = ".join(group) for group in files.values()) or "nothing"
                 return None, (f"glob {self.spec.target!r} in {self._show(base, folder)} matched "
-                              f"{len(names)} file(s) {names}, expected {self.spec.expect}")
-            return names[0], ""
+                              f"{len(files)} distinct file(s) ({shown}), expected {self.spec.expect}")
+            group = next(iter(files.values()))
+            chosen = min(group, key=lambda n: (len(n), n))
+            note = f" (the shortest of {', '.join(group)}: one file)" if len(group) > 1 else ""
+            return chosen, note
         target = self.spec.target
         resolved = under(base, target) if target.startswith("/") else folder / target
         if not resolved.exists():
@@ -46,17 +65,21 @@ class SymlinkKind:
 
     def plan(self, base: Path, owned: dict[str, str]) -> FilePlan:
         link = under(base, self.spec.link)
+        target, note = self._target(base, link)
         if link.is_symlink():
             current = os.readlink(link)
-            target, why = self._target(base, link)
             if target is not None and current == target:
-                return FilePlan(State.ALREADY_APPLIED, f"{self.spec.link} -> {current}")
-            if link.exists():
-                return FilePlan(State.SUPERSEDED, f"{self.spec.link} already links to {current}: link may be removable")
-            return FilePlan(State.DRIFTED, f"{self.spec.link} is a dangling link to {current}")
+                return FilePlan(State.ALREADY_APPLIED, f"{self.spec.link} -> {current}{note}")
+            if not link.exists():
+                return FilePlan(State.DRIFTED, f"{self.spec.link} is a dangling link to {current}")
+            if target is not None and resolve_in(base, link) == resolve_in(base, link.parent / target):
+                return FilePlan(State.SUPERSEDED, f"{self.spec.link} already links to {current}, the same file as "
+                                f"{target}: this link may be removable")
+            # a link to another file is a changed image, never "already done"
+            return FilePlan(State.DRIFTED, f"{self.spec.link} already links to {current}, which is not "
+                            + (f"{target}{note}" if target is not None else f"what the recipe wants: {note}"))
         if link.exists():
             return FilePlan(State.SUPERSEDED, f"{self.spec.link} already exists as a file: link may be removable")
-        target, why = self._target(base, link)
         if target is None:
-            return FilePlan(State.DRIFTED, why)
-        return FilePlan(State.APPLIED, f"{self.spec.link} -> {target}", (FileOp(link, link=target),))
+            return FilePlan(State.DRIFTED, note)
+        return FilePlan(State.APPLIED, f"{self.spec.link} -> {target}{note}", (FileOp(link, link=target),))
