@@ -91,17 +91,6 @@ def test_no_half_written_outdir(cli, tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert list(tmp_path.iterdir()) == [], "no temporary folder may be left behind"
 
 
-def test_existing_outdir_needs_force(cli, built: Path, tmp_path: Path) -> None:
-    out = tmp_path / "sub"
-    out.mkdir()
-    (out / "keep").write_text("x")
-    result = cli("build", FLAGSHIP, "-o", out)
-    assert result.code == 2 and "--force" in result.err
-    assert (out / "keep").exists()
-    assert cli("build", FLAGSHIP, "-o", out, "--force").code == 0
-    assert not (out / "keep").exists() and (out / "Dockerfile").exists()
-
-
 def test_crlf_inputs_never_reach_the_submission(cli, tmp_path: Path) -> None:
     patches = tmp_path / "patches"
     for rel in ("native_fastpaths/__init__.py", "native_fastpaths/attention.py",

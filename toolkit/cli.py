@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import git
 
 from toolkit import __version__
 from toolkit.engine import Engine, commit, make_lock
@@ -19,7 +22,7 @@ from toolkit.report import emit
 from toolkit.results import Report, Severity, State
 from toolkit.sources import Root, reference_root, resolve_trees, rootfs_roots
 from toolkit.submission import build as build_submission
-from toolkit.submission import build_all_variants, used_sources
+from toolkit.submission import build_all_variants, replaceable_problem, used_sources
 from toolkit.submission import push as push_submission
 from toolkit.submission_verify import verify_submission
 from toolkit.variants import expand as expand_variants
@@ -44,6 +47,20 @@ examples:
   toolkit lint recipes/bi100-qwen36.yaml                         # exit 0 clean, 1 warnings (--strict), 2 errors
   toolkit variants recipes/bi100-qwen36.yaml                     # the experiment grid, impossible ones dropped
 """
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the running verb has done that an interrupt cannot undo, so that the message tells the truth."""
+
+    untouched: str = "nothing was written"
+    done: list[str] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        return "; ".join(self.done) if self.done else self.untouched
+
+
+PROGRESS = Progress()
 
 
 def _trees(loaded: LoadedRecipe, args: argparse.Namespace) -> dict[str, Path]:
@@ -97,12 +114,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
     engine = Engine(loaded, roots, rootfs, lock=_read_lock(args.check_lock), trees=_trees(loaded, args))
     plan = engine.run()
     written: list[str] = []
+    PROGRESS.untouched = "nothing was written: the writes are all-or-nothing and were rolled back or never began"
     if plan.ok and not args.dry_run:
         commit(plan.ops)
         written = [str(op.path) for op in plan.ops]
+        PROGRESS.done.append(f"the apply completed: {len(written)} path(s) written in the vendor roots")
     if plan.ok and args.write_lock:
         lock = make_lock(plan, loaded.recipe.name, loaded.recipe.vendor.package)
         Path(args.write_lock).write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        PROGRESS.done.append(f"lock written to {args.write_lock}")
     notes = [f"{label}: {loaded.recipe.vendor.package} {v}" for label, v in plan.versions.items()]
     if not plan.ok:
         notes.append("nothing was written: fix the DRIFTED transforms (or the vendor tree) and run again")
@@ -149,6 +169,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     outdir = Path(args.output)
     started = time.monotonic()
     notes: list[str] = []
+    previous = None if replaceable_problem(outdir) else str(git.Repo(outdir).head.commit.hexsha)
+    PROGRESS.untouched = (f"{outdir} was left as it was" + (f" (the previous submission, commit {previous[:12]})"
+                          if previous else "") + "; the half-written tree beside it was removed")
     rows: list[tuple[str, ...]] = []
     if args.all_variants:
         grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches, trees=_trees(loaded, args))
@@ -163,6 +186,11 @@ def cmd_build(args: argparse.Namespace) -> int:
                                  trees=_trees(loaded, args))
         branches = [built.branch]
     build_seconds = time.monotonic() - started
+    PROGRESS.done.append(f"{outdir} holds the complete new submission (commit {built.commit[:12]})"
+                         + (f", which replaced the previous one (commit {previous[:12]})" if previous else ""))
+    if previous:
+        notes.append(f"replaced the previous submission in {outdir} (commit {previous[:12]}, unchanged since "
+                     "toolkit built it); nothing else was touched")
     for source in used_sources(loaded.recipe):
         bundled = (outdir / "toolkit_payload" / "sources" / source.name).is_dir()
         notes.append(f"source {source.name}: " + (f"bundled at {source.commit}" if bundled else
@@ -171,6 +199,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     if args.push:
         push_submission(outdir, args.push, branches)
         notes.append(f"pushed {', '.join(branches)} to {args.push}")
+        PROGRESS.done.append(notes[-1])
     verified = verify_submission(outdir)
     extra: dict[str, object] = {}
     if args.image and verified.ok:
@@ -257,6 +286,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     text = json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
+        PROGRESS.done.append(f"{args.output} written")
     else:
         sys.stdout.write(text)
     return EXIT_OK
@@ -308,7 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", action="append", metavar="NAME=PATH",
                    help="bundle a declared source from this local checkout (at its pinned commit) instead of "
                    "fetching it at image build")
-    p.add_argument("--force", action="store_true", help="replace OUTDIR if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUTDIR if it is a previous submission that toolkit built and nobody changed since "
+                   "(anything else is refused, as are /, your home, the current folder and any folder holding the "
+                   "recipe, the patches or the checkout); the old one is removed only once the new one is in place")
     p.add_argument("--image", metavar="TAG", help="also docker-build the image (DOCKER_HOST or the default socket), "
                    "verify inside it and compare its patched files with a host apply")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -351,8 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    PROGRESS.untouched, PROGRESS.done = Progress().untouched, []
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # inside the try: a closed pipe shows up here, not as a traceback at exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`toolkit diff | head`): no traceback; later flushes go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except ToolkitError as exc:
         if getattr(args, "json", False):
             sys.stdout.write(json.dumps({"ok": False, "error": exc.message, "fix": exc.hint,
@@ -360,7 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"toolkit {args.verb}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("toolkit: interrupted; nothing half-written was left (writes are all-or-nothing)", file=sys.stderr)
+        print(f"toolkit {args.verb}: interrupted; {PROGRESS.describe()}", file=sys.stderr)
         return 130
 
 

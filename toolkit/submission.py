@@ -143,15 +143,94 @@ def refuse_on_lint(loaded: LoadedRecipe, recipe: Recipe, variant: str | None) ->
                            f"{len(errors)} error(s):\n{lines}", hint="fix them, or see `toolkit lint` for details")
 
 
+def _contains(folder: Path, path: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def replaceable_problem(outdir: Path) -> str | None:
+    """Why OUTDIR is not a previous submission of this tool that can be replaced with nothing lost (None: it is).
+
+    Proof of ownership: the payload manifest every build writes, a git repository at OUTDIR itself whose branch
+    heads were all committed by this tool, and a working tree with nothing else in it (no change, no untracked or
+    ignored file), so that replacing it loses nothing that `git` and the recipe cannot give back.
+    """
+    if not outdir.is_dir() or outdir.is_symlink():
+        return f"{outdir} is not a folder"
+    if not (outdir / PAYLOAD / MANIFEST).is_file():
+        return f"{outdir} holds no {PAYLOAD}/{MANIFEST}: it is not a submission written by toolkit"
+    try:
+        repo = git.Repo(outdir)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        return f"{outdir} is not a git repository: it is not a submission written by toolkit"
+    if repo.working_tree_dir is None or Path(repo.working_tree_dir).resolve() != outdir.resolve():
+        return f"{outdir} is inside another git repository ({repo.working_tree_dir}), not a submission's own"
+    for head in repo.heads:
+        if head.commit.author.email != AUTHOR.email:
+            return (f"{outdir}: branch {head.name} has commit {head.commit.hexsha[:12]} by {head.commit.author.email}, "
+                    "not by toolkit: somebody committed there")
+    # --no-optional-locks: looking must not rewrite the index of a folder that is not proven ours yet
+    changed = str(repo.git.execute(["git", "--no-optional-locks", "status", "--porcelain", "--ignored",
+                                    "--untracked-files=all"])).splitlines()
+    if changed:
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        shown = ", ".join(line[3:] for line in changed[:5]) + more
+        return f"{outdir} has {len(changed)} path(s) that are not the built commit: {shown}"
+    return None
+
+
+def protected_problem(outdir: Path, loaded: LoadedRecipe) -> str | None:
+    """Why OUTDIR may never be replaced whatever the flags: a system folder, or one holding what the build reads."""
+    target = outdir.resolve()
+    if target == Path(target.anchor) or target == Path.home().resolve():
+        return f"{outdir} is {'the root folder' if target == Path(target.anchor) else 'your home folder'}"
+    for label, path in (("the current folder", Path.cwd()), ("the recipe", loaded.path),
+                        ("the patches folder", loaded.patches_dir), ("the toolkit checkout", PACKAGE.parent)):
+        if _contains(target, path.resolve()):
+            return f"{outdir} contains {label} ({path})"
+    return None
+
+
+def check_outdir(outdir: Path, loaded: LoadedRecipe, force: bool) -> None:
+    """Refuse, before anything is written, an OUTDIR whose replacement could lose somebody's files."""
+    problem = protected_problem(outdir, loaded)
+    if problem is None and not outdir.exists():
+        return
+    if problem is None and outdir.is_dir() and not outdir.is_symlink() and not any(outdir.iterdir()):
+        return  # an empty folder: nothing in it to lose
+    if problem is None and not force:
+        raise ToolkitError(f"{outdir} exists; nothing was touched",
+                           hint="choose a new folder, or pass --force to replace a previous submission built there")
+    problem = problem or replaceable_problem(outdir)
+    if problem:
+        raise ToolkitError(f"refusing to write the submission to {outdir}: {problem}; nothing was touched",
+                           hint="choose a new folder (--force only replaces an unchanged submission that "
+                           "`toolkit build` wrote)")
+
+
+def _swap(tmp: Path, outdir: Path) -> None:
+    """Put the new tree in place; the old one is removed only once the new one is there."""
+    if not outdir.exists() or (outdir.is_dir() and not any(outdir.iterdir())):
+        os.replace(tmp, outdir)  # rename(2) replaces an empty folder atomically
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.old.", dir=outdir.parent))
+    os.replace(outdir, old / outdir.name)
+    try:
+        os.replace(tmp, outdir)
+    except BaseException:
+        os.replace(old / outdir.name, outdir)
+        old.rmdir()
+        raise
+    shutil.rmtree(old)
+
+
 def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | None = None,
           force: bool = False, branch: str = "main", extra_files: dict[str, str] | None = None,
           trees: dict[str, Path] | None = None) -> Built:
     """Write the whole submission next to OUTDIR, commit it, then move it into place."""
     refuse_on_lint(loaded, recipe, variant)
-    if outdir.exists() and not force:
-        raise ToolkitError(f"{outdir} exists", hint="choose a new folder, or pass --force to replace it")
+    check_outdir(outdir, loaded, force)
     outdir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.", dir=outdir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.new.", dir=outdir.parent))
     try:
         write_tree(loaded, recipe, variant, tmp, trees or {})
         for rel, text in sorted((extra_files or {}).items()):
@@ -160,9 +239,8 @@ def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | 
             "\n\nGenerated by `toolkit build`; change the recipe, not these files.\n")
         commit, tree = _commit(tmp, message, branch)
         files = sum(1 for p in tmp.rglob("*") if p.is_file() and ".git" not in p.relative_to(tmp).parts)
-        if outdir.exists():
-            shutil.rmtree(outdir)
-        tmp.rename(outdir)
+        check_outdir(outdir, loaded, force)  # again: OUTDIR may have changed while the tree was written
+        _swap(tmp, outdir)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
