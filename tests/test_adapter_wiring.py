@@ -168,6 +168,7 @@ def test_bundled_build_carries_the_pinned_adapter(cli, adapter: tuple[Path, str]
     result = cli("build", recipe, "-o", out, "--json")
     assert result.code == 0, result.err
     assert any(f"source stand-in: bundled at {commit}" in n for n in result.json()["notes"])
+    assert result.json()["trial"]["untried"] == {}  # with the checkout, the adapter's edits are tried too
     bundled = out / "toolkit_payload/sources/stand-in/qwen3_5.py"
     assert bundled.read_text() == SOURCE
     assert cli("verify", out).code == 0
@@ -184,6 +185,10 @@ def test_fetch_mode_build_clones_and_verifies_the_pin(cli, adapter: tuple[Path, 
     result = cli("build", write_recipe(tmp_path, commit, None), "-o", out, "--json")
     assert result.code == 0, result.err
     assert any("NOT bundled" in n and "checks out " + commit in n for n in result.json()["notes"])
+    # what needs the fetched adapter cannot be tried before writing: the report says so, by name
+    untried = result.json()["trial"]["untried"]
+    assert sorted(untried) == sorted(t["id"] for t in WIRING)
+    assert any("not tried here, tried by the in-image step instead" in n for n in result.json()["notes"])
     script = (out / "toolkit_payload/apply.sh").read_text()
     assert "git clone --quiet --no-checkout https://adapter.invalid/qwen36_01.git" in script
     assert f'!= "{commit}"' in script

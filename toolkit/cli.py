@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -22,9 +23,17 @@ from toolkit.report import emit
 from toolkit.results import Report, Severity, State
 from toolkit.sources import Root, reference_root, resolve_trees, rootfs_roots
 from toolkit.submission import build as build_submission
-from toolkit.submission import build_all_variants, replaceable_problem, used_sources
+from toolkit.submission import (
+    build_all_variants,
+    check_outdir,
+    files_by_kind,
+    replaceable_problem,
+    server_command,
+    used_sources,
+)
 from toolkit.submission import push as push_submission
 from toolkit.submission_verify import verify_submission
+from toolkit.trial import try_recipe
 from toolkit.variants import expand as expand_variants
 from toolkit.variants import find as find_variant
 from toolkit.verify import verify_tree
@@ -169,21 +178,31 @@ def cmd_build(args: argparse.Namespace) -> int:
     outdir = Path(args.output)
     started = time.monotonic()
     notes: list[str] = []
+    check_outdir(outdir, loaded, args.force)  # before anything slow: a refused OUTDIR is said at once
     previous = None if replaceable_problem(outdir) else str(git.Repo(outdir).head.commit.hexsha)
     PROGRESS.untouched = (f"{outdir} was left as it was" + (f" (the previous submission, commit {previous[:12]})"
                           if previous else "") + "; the half-written tree beside it was removed")
+    trees = _trees(loaded, args)
+    trial = try_recipe(loaded, trees, Path(args.rootfs) if args.rootfs else None)
+    if not trial.ok:
+        # the platform's docker build shows no log: a transform that cannot apply must stop the build here
+        report = Report("build", str(loaded.path), trial.results, notes=(
+            f"tried every transform on {trial.where} before writing: {len(trial.drifted)} DRIFTED result(s)",
+            *trial.notes, f"nothing was written; {outdir} was left as it was"))
+        emit(report, as_json=args.json)
+        return EXIT_FAILED
     rows: list[tuple[str, ...]] = []
     if args.all_variants:
-        grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches, trees=_trees(loaded, args))
+        grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches, trees=trees)
         built, branches = grid.built, grid.branches
         rows = [(v.name, "written", v.describe()) for v in grid.kept]
         rows += [(v.name, "DROPPED", "; ".join(f"{e.rule}: {e.message}" for e in errs)) for v, errs in grid.dropped]
         notes.append(f"{len(grid.kept)} variant(s) kept (run configs under variants/), {len(grid.dropped)} dropped "
                      "by lint" + (f"; {len(branches) - 1} variant branch(es)" if args.branches else ""))
+        recipe = loaded.recipe
     else:
         recipe = find_variant(loaded.recipe, args.variant).apply(loaded.recipe) if args.variant else loaded.recipe
-        built = build_submission(loaded, recipe, outdir, variant=args.variant, force=args.force,
-                                 trees=_trees(loaded, args))
+        built = build_submission(loaded, recipe, outdir, variant=args.variant, force=args.force, trees=trees)
         branches = [built.branch]
     build_seconds = time.monotonic() - started
     PROGRESS.done.append(f"{outdir} holds the complete new submission (commit {built.commit[:12]})"
@@ -191,9 +210,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     if previous:
         notes.append(f"replaced the previous submission in {outdir} (commit {previous[:12]}, unchanged since "
                      "toolkit built it); nothing else was touched")
+    tried = sum(1 for r in trial.results if r.state is not State.GATED_OFF)
+    notes.append(f"tried the transforms on {trial.where} before writing: {tried} result(s), none DRIFTED")
+    notes.extend(trial.notes)
     for source in used_sources(loaded.recipe):
         bundled = (outdir / "toolkit_payload" / "sources" / source.name).is_dir()
-        notes.append(f"source {source.name}: " + (f"bundled at {source.commit}" if bundled else
+        notes.append(f"adapter source {source.name}: " + (f"bundled at {source.commit}" if bundled else
                      f"NOT bundled; the image build clones {source.git} and checks out {source.commit} "
                      f"(needs git and network in the builder; --source {source.name}=PATH bundles it)"))
     if args.push:
@@ -209,12 +231,22 @@ def cmd_build(args: argparse.Namespace) -> int:
         extra = image_flow(outdir, args.image)
         notes.append(f"image {args.image}: built, verified inside, {extra['compared_files']} patched file(s) "
                      f"byte-identical to a host apply ({time.monotonic() - image_started:.1f} s)")
-    notes.insert(0, f"{outdir}: commit {built.commit[:12]}, tree {built.tree}, {built.files} file(s), "
-                    f"built in {build_seconds:.1f} s")
-    report = Report("build", str(loaded.path), findings=verified.findings, notes=(*notes, *verified.notes),
-                    columns=("variant", "status", "detail") if rows else (), rows=tuple(rows),
+    kinds = files_by_kind(outdir)
+    command = server_command(outdir)
+    notes.insert(0, f"wrote {outdir}: commit {built.commit[:12]} on {', '.join(branches)}, {built.files} file(s) "
+                    f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), built in {build_seconds:.1f} s")
+    notes.append(f"server command: {shlex.join(command)}")
+    warnings = tuple(i for i in lint(loaded, recipe, variant=args.variant).issues
+                     if i.severity is not Severity.INFO or i.rule == "kv-cache")
+    next_step = (f"next: push it (`toolkit build ... --push URL`, or `git -C {outdir} push URL main`) and submit "
+                 "the repository URL" if not args.push else "next: submit the repository URL you pushed to")
+    closing = (next_step + f"; `toolkit verify {outdir}` checks it again at any time",) if verified.ok else (
+        "next: fix the findings above (the submission would not build or start), then build again",)
+    report = Report("build", str(loaded.path), findings=verified.findings, notes=(*notes, *verified.notes, *closing),
+                    issues=warnings, columns=("variant", "status", "detail") if rows else (), rows=tuple(rows),
                     extra={"outdir": str(outdir), "commit": built.commit, "tree": built.tree,
-                           "branches": branches, **extra})
+                           "branches": branches, "files_by_kind": kinds, "server_command": command,
+                           "trial": {"where": trial.where, "untried": dict(trial.untried)}, **extra})
     emit(report, as_json=args.json)
     return _exit(report)
 
@@ -338,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", action="append", metavar="NAME=PATH",
                    help="bundle a declared source from this local checkout (at its pinned commit) instead of "
                    "fetching it at image build")
+    p.add_argument("--rootfs", metavar="DIR", help="try the transforms on these real vendor roots (a folder laid out "
+                   "like the image, e.g. from `toolkit vendor pull`) instead of the CoreX-like reference tree")
     p.add_argument("--force", action="store_true",
                    help="replace OUTDIR if it is a previous submission that toolkit built and nobody changed since "
                    "(anything else is refused, as are /, your home, the current folder and any folder holding the "

@@ -122,7 +122,8 @@ def gated_off(spec: TransformBase, version: str | None) -> str | None:
 class Engine:
     def __init__(self, loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None, *,
                  check_version: bool = True, lock: dict[str, object] | None = None,
-                 trees: dict[str, Path] | None = None):
+                 trees: dict[str, Path] | None = None, skip: frozenset[str] = frozenset()):
+        """skip: ids of transforms left out of this plan (the caller reports why); used only for trials."""
         self.lock = lock
         self.loaded = loaded
         self.recipe = loaded.recipe
@@ -131,10 +132,10 @@ class Engine:
         self.check_version = check_version
         self.ctx = Context(loaded.patches_dir, dict(trees or {}))
         self.index = {t.id: i for i, t in enumerate(self.recipe.transforms)}
-        self.source_specs = [t for t in self.recipe.transforms if isinstance(t, SourceTransform)]
+        active = [t for t in self.recipe.transforms if t.id not in skip]
+        self.source_specs = [t for t in active if isinstance(t, SourceTransform)]
         self.source = {t.id: source_kind(t, self.ctx) for t in self.source_specs}
-        self.files = {t.id: file_kind(t, self.ctx) for t in self.recipe.transforms
-                      if not isinstance(t, SourceTransform)}
+        self.files = {t.id: file_kind(t, self.ctx) for t in active if not isinstance(t, SourceTransform)}
         # files a deploy installs in the roots and source transforms then edit: deployed once, patched
         self.deployed: dict[str, tuple[bytes, Deploy]] = {}
         targets = {t.file for t in self.source_specs}

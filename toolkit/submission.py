@@ -250,6 +250,29 @@ def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | 
     return Built(outdir, commit, tree, files, branch)
 
 
+def files_by_kind(outdir: Path) -> dict[str, int]:
+    """How many files of each kind a submission holds, for the build report."""
+    kinds = {"sources": "bundled source files", "wheels": "offline wheels", "src": "toolkit engine files",
+             "patches": "patch files"}
+    counts: dict[str, int] = {}
+    for path in sorted(p for p in outdir.rglob("*") if p.is_file() and ".git" not in p.relative_to(outdir).parts):
+        parts = path.relative_to(outdir).parts
+        if parts[0] == PAYLOAD:
+            label = kinds.get(parts[1], "payload files (apply.sh, recipe, manifest)") if len(parts) > 2 else \
+                "payload files (apply.sh, recipe, manifest)"
+        elif parts[-1] == "computility-run.yaml":
+            label = "run config(s)"
+        else:
+            label = "top-level files (Dockerfile, .gitattributes)"
+        counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
+def server_command(outdir: Path) -> list[str]:
+    config = yaml.safe_load((outdir / "computility-run.yaml").read_text(encoding="utf-8"))
+    return [str(item) for item in config.get("command", [])]
+
+
 def push(outdir: Path, url: str, branches: list[str]) -> None:
     repo = git.Repo(outdir)
     try:

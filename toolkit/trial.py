@@ -1,0 +1,109 @@
+"""Try a recipe's transforms before a submission is written, so that DRIFTED shows here, not in a build log
+the platform never shows.
+
+Where: the real vendor roots (`--rootfs DIR`, everything is tried), or by default a CoreX-like image filesystem
+laid out from the recipe's `vendor.reference` release with the documented vendor changes (cached). Nothing is
+written to either: the engine only plans. Transforms that need a pinned source this machine has no copy of are
+not tried here; the in-image step tries them, and the report says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from toolkit.engine import Engine
+from toolkit.recipe import Deploy, LoadedRecipe, Recipe, SourceTransform
+from toolkit.results import Result, State
+from toolkit.sources import cache_dir, cached_tree, fetch_reference, rootfs_roots
+from toolkit.testing import VENDOR_EDITS, make_rootfs
+
+PLAIN = "plain"  # marks a cached tree where the documented vendor edits did not apply to the release
+
+
+@dataclass(frozen=True)
+class Trial:
+    where: str
+    results: tuple[Result, ...]
+    untried: tuple[tuple[str, str], ...]  # (transform id, why it was not tried here)
+    notes: tuple[str, ...]
+
+    @property
+    def drifted(self) -> tuple[Result, ...]:
+        return tuple(r for r in self.results if r.state is State.DRIFTED)
+
+    @property
+    def ok(self) -> bool:
+        return not self.drifted
+
+
+def reference_rootfs(recipe: Recipe) -> tuple[Path, bool]:
+    """The CoreX-like image filesystem of the recipe's reference release (cached) and whether it is CoreX-like."""
+    base = recipe.base_image
+    spec = recipe.vendor.reference
+    key = hashlib.sha256(json.dumps([spec, base.python, base.platform, recipe.vendor.roots, VENDOR_EDITS])
+                         .encode()).hexdigest()[:16]
+    target = cache_dir() / "trial" / f"{recipe.vendor.reference_name}-{recipe.vendor.reference_version}-{key}"
+
+    def build(tree: Path, scratch: Path) -> None:
+        print(f"laying out a CoreX-like tree of {spec} to try the transforms on; cached in {target}",
+              file=sys.stderr)
+        reference = fetch_reference(spec, base.python, base.platform)
+        roots = tuple(recipe.vendor.roots)
+        try:
+            make_rootfs(reference, tree, roots=roots)
+        except AssertionError:
+            # the documented CoreX edits are written against 0.6.3: another release is tried as it is
+            shutil.rmtree(tree)
+            make_rootfs(reference, tree, corex=False, roots=roots)
+            (tree / PLAIN).write_text("the documented vendor edits do not apply to this release\n")
+
+    tree = cached_tree(target, build)
+    return tree, not (tree / PLAIN).exists()
+
+
+def _untried(recipe: Recipe, trees: dict[str, Path]) -> dict[str, str]:
+    """Transforms that need a pinned source with no local copy: deploys from it and edits of what they deploy."""
+    out: dict[str, str] = {}
+    missing_dests: list[tuple[str, str]] = []
+    for t in recipe.transforms:
+        if isinstance(t, Deploy) and t.tree is not None and t.tree not in trees:
+            out[t.id] = f"deploys from source {t.tree}, which the image build fetches"
+            missing_dests.append((t.dest, t.tree))
+    for t in recipe.transforms:
+        if isinstance(t, SourceTransform):
+            for dest, tree in missing_dests:
+                if PurePosixPath(t.file) == PurePosixPath(dest) or PurePosixPath(dest) in PurePosixPath(t.file).parents:
+                    out[t.id] = f"edits {t.file}, deployed from source {tree}, which the image build fetches"
+    return out
+
+
+def try_recipe(loaded: LoadedRecipe, trees: dict[str, Path], rootfs: Path | None = None) -> Trial:
+    recipe = loaded.recipe
+    untried = _untried(recipe, trees)
+    notes: list[str] = []
+    if rootfs is not None:
+        base, where, exact = rootfs, f"the vendor roots under {rootfs}", True
+    else:
+        base, corex_like = reference_rootfs(recipe)
+        where = (f"a CoreX-like tree of {recipe.vendor.reference}" if corex_like
+                 else f"the plain {recipe.vendor.reference} (the documented CoreX edits do not apply to it)")
+        exact = False
+    # off the real image the version is the reference's, so vendor.version is not checked there
+    engine = Engine(loaded, rootfs_roots(recipe, base), base, check_version=exact, trees=trees,
+                    skip=frozenset(untried))
+    plan = engine.run()
+    superseded = sorted({r.transform for r in plan.results if r.state is State.SUPERSEDED})
+    if superseded and not exact:
+        notes.append(f"SUPERSEDED on the reference: {', '.join(superseded)}: expected for fixes of vendor-only "
+                     "changes the reference lacks; they apply on the real image")
+    elif superseded:
+        notes.append(f"SUPERSEDED on {where}: {', '.join(superseded)}: the patch may be removable")
+    if untried:
+        notes.append(f"not tried here, tried by the in-image step instead: {', '.join(sorted(untried))} "
+                     f"({next(iter(untried.values()))}; pass --source NAME=PATH to try them here)")
+    return Trial(where, tuple(plan.results), tuple(sorted(untried.items())), tuple(notes))
