@@ -28,6 +28,8 @@ TABLE: list[tuple[str, dict[str, Any], list[tuple[str, State]]]] = [
         ("def f(n):\n    use_v1 = n < 8\n    use_v1 = bool(1)\n    return use_v1\n", State.DRIFTED),
         ("def f(n):\n    use_v1 = n < 8\n    use_v1 = not False\n    return use_v1\n", State.DRIFTED),
         ("def f(n):\n    return True\n", State.DRIFTED),  # the heuristic itself went: not the code we know
+        # the forced value moved to another function: V1 is still forced, the scope's calm is no post-state
+        ("def f(n):\n    use_v1 = n < 8\n    return use_v1\n\ndef g():\n    use_v1 = True\n", State.DRIFTED),
     ]),
     ("assign-remove-sole", {"kind": "assign", "target": "FLAG", "old": "True"}, [
         ("FLAG = True\n", State.APPLIED),

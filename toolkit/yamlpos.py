@@ -49,13 +49,25 @@ def _mark(node: yaml.Node) -> Mark:
     return Mark(node.start_mark.line + 1, node.start_mark.column + 1)
 
 
+def _load_error(exc: yaml.YAMLError, text: str) -> YamlLoadError:
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = Mark(mark.line + 1, mark.column + 1) if mark else None
+        return YamlLoadError(f"invalid YAML: {exc.problem or exc}", where)
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not allow, e.g. a control character
+        line = text.count("\n", 0, exc.position) + 1
+        column = exc.position - (text.rfind("\n", 0, exc.position) + 1) + 1
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character[:1] or "\0")
+        return YamlLoadError(f"invalid YAML: character U+{code:04X} is not allowed in YAML ({exc.reason})",
+                             Mark(line, column))
+    return YamlLoadError(f"invalid YAML: {exc}", None)
+
+
 def load(text: str) -> Located:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = Mark(mark.line + 1, mark.column + 1) if mark else None
-        raise YamlLoadError(f"invalid YAML: {exc.problem or exc}", where) from exc
+    except yaml.YAMLError as exc:
+        raise _load_error(exc, text) from exc
     marks: dict[Path_, Mark] = {}
     key_marks: dict[Path_, Mark] = {}
     if root is None:
@@ -86,6 +98,10 @@ def load(text: str) -> Located:
 
     try:
         data = build(root, ())
+    except yaml.YAMLError as exc:  # a tag or a scalar the safe loader refuses, e.g. !!python/name
+        raise _load_error(exc, text) from exc
+    except ValueError as exc:  # a scalar that looks like a date but is none, e.g. 2026-13-45
+        raise YamlLoadError(f"invalid YAML value: {exc}", None) from exc
     finally:
         constructor.dispose()
     return Located(data, marks, key_marks)

@@ -33,6 +33,20 @@ class AssignKind:
                 sites.append((line, stmt, path))
         return sites
 
+    def _everywhere(self, module: cst.Module) -> list[cst.Assign]:
+        """Every plain assignment to the target in the module, nested functions and classes included."""
+        target = self.spec.target
+        found: list[cst.Assign] = []
+
+        class Collect(cst.CSTVisitor):
+            def visit_Assign(self, node: cst.Assign) -> None:
+                if (len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name)
+                        and node.targets[0].target.value == target):
+                    found.append(node)
+
+        module.visit(Collect())
+        return found
+
     def _is_pre(self, stmt: cst.Assign) -> bool:
         if self.spec.old is not None:
             return same_expr(stmt.value, self.spec.old)
@@ -55,9 +69,16 @@ class AssignKind:
             # a changed value is drift, never absence: only the declared number of other assignments may remain
             return Probe(0, 0, f"{shown} ({others} other assignment(s) to {self.spec.target}, the recipe "
                          f"declares others: {self.spec.others})", self._expected())
-        if self.spec.new is None:
-            # a removal's post-state: the old statement gone, the declared other assignments still there
-            post = self.spec.expect if pre == 0 else 0
+        if self.spec.new is None and pre == 0:
+            # a removal's post-state: the old statement gone from the scope and not moved elsewhere in the module
+            inside = {id(s) for _, s, _ in sites}
+            moved = sum(1 for s in self._everywhere(module) if id(s) not in inside and self._is_pre(s))
+            if moved:
+                return Probe(0, 0, f"{shown}; and `{self.spec.target} = {self.spec.old}` {moved} time(s) elsewhere "
+                             f"in the module, outside {self.spec.scope or 'the module level'}", self._expected())
+            post = self.spec.expect
+        elif self.spec.new is None:
+            post = 0
         return Probe(pre, post, shown, self._expected())
 
     def rewrite(self, module: cst.Module) -> cst.Module:
