@@ -176,3 +176,19 @@ def test_a_closed_pipe_ends_quietly(corex_rootfs: Path) -> None:
     assert proc.wait(timeout=120) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert os.environ.get("PYTHONWARNINGS", "") != "error"  # a warning about the pipe would have shown above
+
+
+def test_an_interrupt_while_starting_ends_quietly(tmp_path: Path) -> None:
+    # the interrupt lands while the CLI's heavy imports run, before any verb has started
+    code = ("import builtins, sys\n"
+            "import toolkit.entry as entry\n"
+            "real = builtins.__import__\n"
+            "def slow(name, *args, **kwargs):\n"
+            "    if name == 'toolkit.cli':\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = slow\n"
+            "sys.exit(entry.main())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 130
+    assert "Traceback" not in proc.stderr and "interrupted while starting" in proc.stderr
