@@ -114,6 +114,7 @@ def test_dispatches_switch_between_native_and_original(cli, adapter: tuple[Path,
     for name in [m for m in sys.modules if m.split(".")[0] in ("qwen3_5", "native_fastpaths")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setenv("NATIVE_PROFILE", "1")
+    monkeypatch.setenv("MOE_SMALL_BATCH_VARIANT", "segments")  # a fixed path, so its profile name is known
     adapter_mod = importlib.import_module("qwen3_5")
     profiling = importlib.import_module("native_fastpaths.profiling")
     assert adapter_mod.__file__.startswith(str(root))
@@ -125,13 +126,13 @@ def test_dispatches_switch_between_native_and_original(cli, adapter: tuple[Path,
     gate, beta = -torch.rand(1, 70, 4, generator=g), torch.rand(1, 70, 4, generator=g)
     norm = adapter_mod.Qwen3_5RMSNormGated(12)
     calls = {
-        "MOE_NATIVE": (lambda: block._pure_pytorch_experts(x, logits), "moe.prefill_sorted"),
+        "MOE_NATIVE": (lambda: block._pure_pytorch_experts(x, logits), "moe.segments"),
         "CHUNK_PARALLEL": (lambda: adapter_mod._torch_chunk_gated_delta_rule(
-            q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)[0], "gdn.chunk_triangular"),
+            q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)[0], "gdn.chunk"),
         "LOOP1_NATIVE": (lambda: adapter_mod._torch_recurrent_gated_delta_rule(
             q[:, :1], k[:, :1], v[:, :1], gate[:, :1], beta[:, :1], use_qk_l2norm_in_kernel=True)[0],
             "gdn.recurrent"),
-        "RMSNORM_NATIVE": (lambda: norm(v, v * 2), None),
+        "RMSNORM_NATIVE": (lambda: norm(v, v * 2), "norm.gated"),
     }
     for switch, (call, profile_name) in calls.items():
         profiling._totals.clear()
@@ -141,8 +142,8 @@ def test_dispatches_switch_between_native_and_original(cli, adapter: tuple[Path,
         monkeypatch.setenv(switch, "1")
         native = call()
         torch.testing.assert_close(native, original, atol=2e-4, rtol=2e-4)
-        if profile_name:  # with the switch on the injected path runs, with it off it does not
-            assert profile_name in profiling._totals and profile_name not in off_paths, switch
+        # with the switch on the injected path runs, with it off it does not
+        assert profile_name in profiling._totals and profile_name not in off_paths, switch
     for name in [m for m in sys.modules if m.split(".")[0] in ("qwen3_5", "native_fastpaths")]:
         monkeypatch.delitem(sys.modules, name)
 

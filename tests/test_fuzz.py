@@ -108,7 +108,7 @@ TRANSFORMS = [
      "entries": {"C": '("c", "C")'}, **PROV},
     {"id": "import-sys", "kind": "add-import", "file": "vllm/registry.py", "module": "sys", **PROV},
     {"id": "fast", "kind": "dispatch", "file": "vllm/args.py", "scope": "EngineArgs.pick", "switch": "FAST",
-     "target": "fastpkg.ops:pick", **PROV},
+     "target": "fastpkg.ops:pick", "default": "1", **PROV},
 ]
 ARGS = '''"""Vendor engine arguments."""
 import os

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,12 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="patches/src tests need torch: pip install torch==2.13.0")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "patches" / "src"))
 
-from native_fastpaths import gdn, moe, norm, prefix_attention, switches  # noqa: E402
+from adapter_reference import (  # noqa: E402
+    adapter_chunk_gated_delta_rule,
+    adapter_pure_pytorch_experts,
+    experts_loop,
+)
+from native_fastpaths import gdn, moe, norm, prefix_attention, profiling, switches  # noqa: E402
 
 TOKEN_COUNTS = [1, 2, 3, 4, 5, 64, 1000]
 
@@ -56,37 +64,127 @@ def test_router_softmax_topk_renormalised() -> None:
     assert weights.dtype == torch.float32
 
 
-@pytest.mark.parametrize("tokens", TOKEN_COUNTS)
-@pytest.mark.parametrize("path", ["loop", "decode_gemm", "decode_bmm", "prefill_sorted"])
+PATHS = {"loop": experts_loop, "direct": moe.experts_direct, "gemm": moe.experts_decode_gemm,
+         "bmm": moe.experts_decode_bmm, "segments": moe.experts_prefill_sorted}
+AUTO_TOKENS = [1, 2, 3, 4, 8, 16]
+
+
+@pytest.mark.parametrize("tokens", [*TOKEN_COUNTS, 8, 16])
+@pytest.mark.parametrize("path", sorted(PATHS))
 def test_moe_paths_fp32(tokens: int, path: str) -> None:
     hidden, w13, w2, logits = moe_inputs(tokens, seed=tokens)
     weights, ids = moe.route(logits, 3)
-    got = getattr(moe, f"experts_{path}")(hidden, w13, w2, weights, ids)
+    got = PATHS[path](hidden, w13, w2, weights, ids)
     assert got.shape == hidden.shape and got.dtype == hidden.dtype
     torch.testing.assert_close(got.double(), moe_reference(hidden, w13, w2, logits, 3), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["decode_gemm", "decode_bmm", "prefill_sorted"])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 64])
+def test_the_adapter_reference_matches_the_step_by_step_reference(tokens: int) -> None:
+    # the benchmark's baseline must compute the same thing, or its ratios mean nothing
+    hidden, w13, w2, logits = moe_inputs(tokens, seed=tokens + 100)
+    got = adapter_pure_pytorch_experts(hidden, w13, w2, logits, 3)
+    torch.testing.assert_close(got.double(), moe_reference(hidden, w13, w2, logits, 3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["direct", "gemm", "bmm", "segments"])
 def test_moe_paths_bf16(path: str) -> None:
     hidden, w13, w2, logits = moe_inputs(4, dtype=torch.bfloat16, seed=9)
     weights, ids = moe.route(logits, 2)
-    got = getattr(moe, f"experts_{path}")(hidden, w13, w2, weights, ids)
+    got = PATHS[path](hidden, w13, w2, weights, ids)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), moe_reference(hidden.float(), w13.float(), w2.float(), logits, 2),
                                atol=5e-2, rtol=5e-2)
 
 
-def test_moe_dispatch_follows_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moe_fixed_variants_follow_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     hidden, w13, w2, logits = moe_inputs(5, seed=3)
     want = moe_reference(hidden, w13, w2, logits, 2)
-    for variant in ("gemm", "bmm", "segments"):
+    measured = len(moe.measurements)
+    for variant in ("direct", "gemm", "bmm", "segments"):
         for threshold in ("1", "8"):
             monkeypatch.setenv("MOE_SMALL_BATCH_VARIANT", variant)
             monkeypatch.setenv("MOE_SMALL_BATCH_THRESHOLD", threshold)
             torch.testing.assert_close(moe.experts(hidden, w13, w2, logits, 2).double(), want, atol=1e-5, rtol=1e-5)
+    assert len(moe.measurements) == measured, "a fixed variant never measures"
     monkeypatch.setenv("MOE_SMALL_BATCH_VARIANT", "fast")
-    with pytest.raises(ValueError, match="gemm, bmm or segments"):
+    with pytest.raises(ValueError, match="auto, direct, gemm, bmm, segments"):
         moe.experts(hidden[:1], w13, w2, logits[:1], 2)
+
+
+@pytest.fixture
+def fresh_auto(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """auto with no choice made yet in this process; returns the measurement records."""
+    monkeypatch.setattr(moe, "_chosen", {})
+    monkeypatch.setattr(moe, "_losers", set())
+    records: list[dict[str, object]] = []
+    monkeypatch.setattr(moe, "measurements", records)
+    monkeypatch.delenv("MOE_SMALL_BATCH_VARIANT", raising=False)
+    monkeypatch.delenv("MOE_SMALL_BATCH_THRESHOLD", raising=False)
+    return records
+
+
+@pytest.mark.parametrize("tokens", AUTO_TOKENS)
+def test_auto_is_the_default_measures_once_per_bucket_and_is_exact(tokens: int, fresh_auto: list[dict[str, object]],
+                                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    hidden, w13, w2, logits = moe_inputs(tokens, seed=tokens)
+    want = moe_reference(hidden, w13, w2, logits, 3)
+    first = moe.experts(hidden, w13, w2, logits, 3)
+    torch.testing.assert_close(first.double(), want, atol=1e-5, rtol=1e-5)
+    assert len(fresh_auto) == 1
+    record = fresh_auto[0]
+    assert record["chosen"] in moe.SMALL_BATCH and record["chosen"] in record["ms"]  # type: ignore[operator]
+    assert record["rejected"] == []
+    line = capfd.readouterr().err
+    assert line.count("[native_fastpaths] MoE small batch") == 1 and f"{record['chosen']} (" in line
+    again = moe.experts(hidden, w13, w2, logits, 3)  # same bucket: the cached choice, no new measurement
+    torch.testing.assert_close(again, first, atol=1e-6, rtol=1e-6)
+    assert len(fresh_auto) == 1 and "[native_fastpaths]" not in capfd.readouterr().err
+
+
+def test_auto_never_picks_a_path_with_another_result(fresh_auto: list[dict[str, object]],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def wrong_but_fast(hidden, w13, w2, weights, ids):  # type: ignore[no-untyped-def]
+        return torch.zeros_like(hidden)
+
+    monkeypatch.setitem(moe.SMALL_BATCH, "bmm", wrong_but_fast)
+    hidden, w13, w2, logits = moe_inputs(2, seed=1)
+    got = moe.experts(hidden, w13, w2, logits, 3)
+    torch.testing.assert_close(got.double(), moe_reference(hidden, w13, w2, logits, 3), atol=1e-5, rtol=1e-5)
+    assert fresh_auto[0]["rejected"] == ["bmm"] and fresh_auto[0]["chosen"] != "bmm"
+
+
+def test_auto_buckets_are_separate_and_large_batches_are_not_measured(fresh_auto: list[dict[str, object]]) -> None:
+    for tokens in (1, 3, 4, 100):
+        hidden, w13, w2, logits = moe_inputs(tokens, seed=tokens)
+        moe.experts(hidden, w13, w2, logits, 3)
+    assert [r["bucket"] for r in fresh_auto] == [1, 4]  # 3 and 4 share a bucket; 100 tokens take segments
+
+
+def test_a_far_slower_candidate_is_not_measured_again(fresh_auto: list[dict[str, object]],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    real = moe.SMALL_BATCH["gemm"]
+
+    def slow_gemm(*args):  # type: ignore[no-untyped-def]
+        time.sleep(0.05)  # what copying the selected experts' weights costs on a CPU
+        return real(*args)
+
+    monkeypatch.setitem(moe.SMALL_BATCH, "gemm", slow_gemm)
+    for tokens in (1, 2):
+        hidden, w13, w2, logits = moe_inputs(tokens, seed=tokens)
+        got = moe.experts(hidden, w13, w2, logits, 3)
+        torch.testing.assert_close(got.double(), moe_reference(hidden, w13, w2, logits, 3), atol=1e-5, rtol=1e-5)
+    assert "gemm" in fresh_auto[0]["ms"] and fresh_auto[0]["chosen"] != "gemm"  # type: ignore[operator]
+    assert "gemm" in fresh_auto[1]["skipped"] and "gemm" not in fresh_auto[1]["ms"]  # type: ignore[operator]
+
+
+def test_auto_choice_is_in_the_profile(fresh_auto: list[dict[str, object]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NATIVE_PROFILE", "1")
+    monkeypatch.setattr(profiling, "_notes", [])
+    hidden, w13, w2, logits = moe_inputs(2, seed=5)
+    moe.experts(hidden, w13, w2, logits, 3)
+    assert any("MoE small batch" in n for n in profiling._notes)
+    assert "MoE small batch" in profiling.report(stream=open(os.devnull, "w"))  # noqa: SIM115
 
 
 def test_shared_expert() -> None:
@@ -107,8 +205,8 @@ def test_moe_paths_agree_on_any_shape(tokens: int, experts: int, top_k: int, hid
                                       seed: int) -> None:
     x, w13, w2, logits = moe_inputs(tokens, experts, hidden, inter, seed=seed)
     weights, ids = moe.route(logits, top_k)
-    want = moe.experts_loop(x, w13, w2, weights, ids)
-    for fn in (moe.experts_decode_gemm, moe.experts_decode_bmm, moe.experts_prefill_sorted):
+    want = experts_loop(x, w13, w2, weights, ids)
+    for fn in moe.SMALL_BATCH.values():
         torch.testing.assert_close(fn(x, w13, w2, weights, ids), want, atol=1e-5, rtol=1e-5)
 
 
@@ -162,12 +260,18 @@ def test_recurrent_matches_reference(seq: int) -> None:
 
 
 @pytest.mark.parametrize("seq", [1, 2, 3, 5, 63, 64, 65, 130, 1000])
-@pytest.mark.parametrize("solver", ["triangular", "loop"])
-def test_chunked_matches_reference(seq: int, solver: str) -> None:
+@pytest.mark.parametrize("path", ["native", "adapter"])
+def test_chunked_matches_reference(seq: int, path: str) -> None:
     q, k, v, g, beta = gdn_inputs(seq, batch=2, seed=seq + 7)
     init = torch.randn(2, 4, 8, 12, generator=gen(seq))
-    out, state = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                            use_qk_l2norm_in_kernel=True, solver=solver)
+    if path == "native":
+        out, state = gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    else:  # the benchmark's baseline, called as the adapter calls it: q/k already at the value-head count
+        out, state = adapter_chunk_gated_delta_rule(q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g,
+                                                    beta, initial_state=init, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+    assert state is not None
     want, want_state = gdn_reference(q, k, v, g, beta, state=init)
     torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(state.double(), want_state, atol=2e-4, rtol=2e-4)
@@ -202,13 +306,17 @@ def test_bf16_inputs_within_tolerance() -> None:
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
 
 
-def test_drop_in_entry_points_follow_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_drop_in_entry_points_match_the_adapter() -> None:
     q, k, v, g, beta = gdn_inputs(70, seed=2)
-    monkeypatch.setenv("CHUNK_PARALLEL", "0")
-    loop, _ = gdn.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    monkeypatch.setenv("CHUNK_PARALLEL", "1")
+    qe, ke = q.repeat_interleave(2, 2), k.repeat_interleave(2, 2)
+    init = torch.randn(1, 4, 8, 12, generator=gen(3))
+    want, want_state = adapter_chunk_gated_delta_rule(qe, ke, v, g, beta, initial_state=init, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True)
+    tri, state = gdn.torch_chunk_gated_delta_rule(qe, ke, v, g, beta, initial_state=init, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(tri, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, want_state, atol=1e-4, rtol=1e-4)
     tri, _ = gdn.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-    torch.testing.assert_close(loop, tri, atol=1e-4, rtol=1e-4)
     one, _ = gdn.torch_recurrent_gated_delta_rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1],
                                                   use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(one, tri[:, :1], atol=1e-5, rtol=1e-5)
@@ -335,7 +443,12 @@ def test_prefix_drop_in_refuses_what_it_does_not_cover() -> None:
         prefix_attention.forward_prefix(t, t, t, "fp8", t, t, t, t, t, t, 1, torch.zeros(2), None, 1.0, 1.0)
 
 
-def test_switch_defaults_are_documented() -> None:
-    doc = switches.__doc__ or ""
-    for name, default in switches.DEFAULTS.items():
-        assert name in doc and default in doc
+def test_the_switch_table_is_the_one_source_of_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = json.loads((Path(switches.__file__).with_name("switches.json")).read_text())
+    assert {name: entry["default"] for name, entry in table.items()} == switches.DEFAULTS
+    for name in table:
+        monkeypatch.delenv(name, raising=False)
+        assert switches.value(name) == table[name]["default"]
+    assert switches.small_batch_variant() == table["MOE_SMALL_BATCH_VARIANT"]["default"] == "auto"
+    assert switches.small_batch_threshold() == int(table["MOE_SMALL_BATCH_THRESHOLD"]["default"])
+    assert all(entry["selects"] and entry["kind"] in ("dispatch", "setting") for entry in table.values())

@@ -11,8 +11,10 @@ from typing import Any
 
 import libcst as cst
 import pytest
+import yaml
 from pydantic import TypeAdapter
 
+from toolkit.errors import ToolkitError
 from toolkit.recipe import Transform
 from toolkit.results import State
 from toolkit.transforms import source_kind
@@ -75,3 +77,43 @@ def test_state_is_decided_structurally(name: str, spec: dict[str, Any], source: 
         # the rewrite lands in the post-state: probing the result again reads SUPERSEDED (no marker here)
         again = decide(model, kind.probe(kind.rewrite(module)), None)  # type: ignore[arg-type]
         assert again.state is State.SUPERSEDED, again.message
+
+
+# -- a dispatch's default comes from the injected package's switch table -------------------------------------
+
+def _dispatch(patches: Path, **extra: Any) -> str:
+    from toolkit.transforms.dispatch import DispatchKind
+
+    model = TypeAdapter(Transform).validate_python({
+        "id": "fast", **PROVENANCE, "kind": "dispatch", "scope": "f", "switch": "FAST", "target": "pkg.mod:f",
+        **extra})
+    kind = DispatchKind(model, Context(patches_dir=patches))  # type: ignore[arg-type]
+    fn = cst.parse_module("def f(x):\n    return x\n").body[0]
+    assert isinstance(fn, cst.FunctionDef)
+    return cst.Module(body=[kind.statement(fn)]).code
+
+
+def test_dispatch_default_is_read_from_the_table(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "switches.json").write_text('{"FAST": {"default": "0", "kind": "dispatch", "selects": "x"}}')
+    assert 'environ.get("FAST", "0") == "1"' in _dispatch(tmp_path)
+    assert 'environ.get("FAST", "0") == "1"' in _dispatch(tmp_path, default="0")  # restating it is fine
+    with pytest.raises(ToolkitError, match="contradicts"):
+        _dispatch(tmp_path, default="1")
+
+
+def test_dispatch_without_any_default_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ToolkitError, match="no default for switch FAST"):
+        _dispatch(tmp_path)
+    assert 'environ.get("FAST", "1") == "1"' in _dispatch(tmp_path, default="1")
+
+
+def test_flagship_dispatch_defaults_come_from_the_package_table() -> None:
+    import json
+
+    from conftest import FLAGSHIP, REPO
+
+    table = json.loads((REPO / "patches/src/native_fastpaths/switches.json").read_text())
+    recipe = yaml.safe_load(FLAGSHIP.read_text())
+    dispatches = [t for t in recipe["transforms"] if t["kind"] == "dispatch"]
+    assert dispatches and all("default" not in t and t["switch"] in table for t in dispatches)

@@ -249,7 +249,9 @@ class Dispatch(SourceTransform):
 
     kind: Literal["dispatch"]
     switch: str = Field(pattern=ENV_PATTERN, description="Environment variable that turns the fast path on")
-    default: Literal["0", "1"] = Field(default="1", description="Value of the switch when it is unset")
+    default: Literal["0", "1"] | None = Field(
+        default=None, description="Value of the switch when it is unset; omitted: the default in the injected "
+        "package's switches.json (the one table the package reads too)")
     target: CallableRef = Field(description="The injected callable, as module.path:function")
     args: list[PyExpr] | None = Field(
         default=None, description="Arguments passed to it (default: the function's own parameters, in order)"

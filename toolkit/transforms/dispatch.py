@@ -10,11 +10,16 @@ self-contained statement, so it needs no import elsewhere in the vendor module.
 
 from __future__ import annotations
 
+import json
+
 import libcst as cst
 
+from toolkit.errors import ToolkitError
 from toolkit.recipe import Dispatch
 from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import replace_nodes
+
+SWITCH_TABLE = "switches.json"  # beside the injected package's __init__.py
 
 
 def forward_args(fn: cst.FunctionDef) -> list[str]:
@@ -43,6 +48,30 @@ class DispatchKind:
         self.spec = spec
         self.module_name, _, self.func = spec.target.partition(":")
         self.alias = "_toolkit_" + spec.id.replace("-", "_").replace(".", "_")
+        self.default = self._default(ctx)
+
+    def _default(self, ctx: Context) -> str:
+        """The default from the injected package's switches.json; the recipe may restate it, never contradict it."""
+        table_file = ctx.patches_dir / self.module_name.split(".")[0] / SWITCH_TABLE
+        table: dict[str, dict[str, str]] = {}
+        if table_file.is_file():
+            try:
+                table = json.loads(table_file.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise ToolkitError(f"{table_file}:{exc.lineno}: not JSON ({exc.msg})") from None
+        listed = table.get(self.spec.switch, {}).get("default")
+        if self.spec.default is not None and listed is not None and self.spec.default != listed:
+            raise ToolkitError(
+                f"transform {self.spec.id}: default {self.spec.default!r} for {self.spec.switch} contradicts "
+                f"{table_file} ({listed!r})",
+                hint="drop `default` from the recipe (the table decides) or change the table")
+        default = self.spec.default or listed
+        if default not in ("0", "1"):
+            raise ToolkitError(
+                f"transform {self.spec.id}: no default for switch {self.spec.switch}"
+                + (f" (the table says {default!r}; a dispatch switch is 0 or 1)" if default else ""),
+                hint=f"add {self.spec.switch} to {table_file} or set `default` in the recipe")
+        return default
 
     def _expected(self) -> str:
         return f"function {self.spec.scope} without a {self.spec.switch} dispatch to {self.spec.target}"
@@ -80,7 +109,7 @@ class DispatchKind:
 
     def statement(self, fn: cst.FunctionDef) -> cst.BaseStatement:
         s = self.spec
-        test = f'__import__("os").environ.get("{s.switch}", "{s.default}") == "1"'
+        test = f'__import__("os").environ.get("{s.switch}", "{self.default}") == "1"'
         if s.when:
             test = f"(\n    {test}\n    and ({' '.join(s.when.split())})\n)"
         args = ", ".join(s.args if s.args is not None else forward_args(fn))

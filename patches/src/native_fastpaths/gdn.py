@@ -31,7 +31,8 @@ def _prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, use_qk
         q = q.repeat_interleave(groups, dim=2)
         k = k.repeat_interleave(groups, dim=2)
     q = q * (q.shape[-1] ** -0.5)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    # contiguous once here: every later matmul on a transposed view would copy it again
+    return q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
 def recurrent_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
@@ -56,18 +57,8 @@ def recurrent_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: to
         return out.transpose(1, 2).to(value.dtype), (state if output_final_state else None)
 
 
-def _solve_loop(attn: torch.Tensor) -> torch.Tensor:
-    """(I + L)^-1 - I by forward substitution, one row at a time (L strictly lower, stored as -L)."""
-    attn = attn.clone()
-    for i in range(1, attn.shape[-1]):
-        row = attn[..., i, :i].clone()
-        sub = attn[..., :i, :i].clone()
-        attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
-    return attn
-
-
 def _solve_triangular(attn: torch.Tensor) -> torch.Tensor:
-    """The same inverse with one batched triangular solve."""
+    """(I + L)^-1 - I for every chunk at once with one batched triangular solve (L strictly lower, stored as -L)."""
     size = attn.shape[-1]
     eye = torch.eye(size, dtype=attn.dtype, device=attn.device)
     lower = eye - attn  # I + L, unit lower triangular
@@ -76,47 +67,69 @@ def _solve_triangular(attn: torch.Tensor) -> torch.Tensor:
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
-                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                           solver: str = "triangular") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunked prefill: a unit lower-triangular system per chunk, then the carried state across chunks.
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked prefill with everything that does not depend on the carried state done for all chunks at once.
 
-    solver: "triangular" (torch.linalg.solve_triangular, CHUNK_PARALLEL=1) or "loop" (per-row).
+    Per chunk i with carried state S_i: v_new_i = U_i - W_i S_i, out_i = Qg_i S_i + A_i v_new_i, and
+    S_{i+1} = d_i S_i + Kd_i^T v_new_i. U and W (one triangular solve for every chunk instead of a loop over rows),
+    Qg, Kd and the masked intra-chunk scores A are computed for all chunks at once, with the L2 norm, the q scale
+    and beta folded into per-row factors so each big tensor is read as few times as possible; the loop keeps only
+    the three matmuls that need S_i.
     """
-    with profiled(f"gdn.chunk_{solver}", query.device):
-        q, k, v = _prepare(query, key, value, use_qk_l2norm_in_kernel)
-        batch, heads, seq, dk = k.shape
-        dv = v.shape[-1]
-        gf, bf = g.float().transpose(1, 2), beta.float().transpose(1, 2)
+    with profiled("gdn.chunk", query.device):
+        batch, seq, key_heads, dk = key.shape
+        heads, dv = value.shape[2], value.shape[3]
+        if heads % key_heads:
+            raise ValueError(f"{heads} value heads are not a multiple of {key_heads} key heads")
+        groups = heads // key_heads
+        # per-row factors: L2 norm (one reduction), q scale, beta
+        q_factor = torch.full((), dk ** -0.5, device=query.device)
+        k_factor = torch.ones((), device=query.device)
+        if use_qk_l2norm_in_kernel:
+            q_factor = torch.rsqrt(query.float().pow(2).sum(-1, keepdim=True) + 1e-6) * q_factor
+            k_factor = torch.rsqrt(key.float().pow(2).sum(-1, keepdim=True) + 1e-6)
         pad = (chunk_size - seq % chunk_size) % chunk_size
-        if pad:
-            q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-            gf, bf = F.pad(gf, (0, pad)), F.pad(bf, (0, pad))
         n = (seq + pad) // chunk_size
-        q, k, v = (t.reshape(batch, heads, n, chunk_size, t.shape[-1]) for t in (q, k, v))
-        gc = gf.reshape(batch, heads, n, chunk_size).cumsum(-1)
-        bc = bf.reshape(batch, heads, n, chunk_size)
-        k_beta, v_beta = k * bc[..., None], v * bc[..., None]
-        upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device), diagonal=0)
-        strict_upper = torch.triu(upper, diagonal=1)
-        decay = (gc[..., :, None] - gc[..., None, :]).tril().exp().tril()
-        attn = -((k_beta @ k.transpose(-1, -2)) * decay).masked_fill(upper, 0)
-        attn = (_solve_triangular(attn) if solver == "triangular" else _solve_loop(attn)) + torch.eye(
-            chunk_size, dtype=attn.dtype, device=attn.device)
-        value_c = attn @ v_beta
-        k_cumdecay = attn @ (k_beta * gc.exp()[..., None])
+
+        def chunked(x: torch.Tensor, factor: torch.Tensor | None = None, repeat: int = 1) -> torch.Tensor:
+            """(B, S, h, D) -> (B, H, n, C, D) fp32 in one copy, times the factor, heads repeated."""
+            x = x.float() if factor is None else x.float() * factor
+            if repeat > 1:
+                x = x.repeat_interleave(repeat, dim=2)
+            if pad:
+                x = F.pad(x, (0, 0, 0, 0, 0, pad))
+            return x.reshape(batch, n, chunk_size, heads, x.shape[-1]).permute(0, 3, 1, 2, 4).contiguous()
+
+        q = chunked(query, q_factor, groups)
+        k = chunked(key, k_factor, groups)
+        v = chunked(value)
+        gc = chunked(g.unsqueeze(-1)).squeeze(-1).cumsum(-1)  # (B, H, n, C)
+        bc = chunked(beta.unsqueeze(-1))  # (B, H, n, C, 1)
+        strict_upper = torch.triu(torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device), 1)
+        decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill_(strict_upper, float("-inf")).exp_()
+        scores = k @ k.transpose(-1, -2)  # shared by the system and, with q, the intra-chunk scores
+        attn = (scores.mul_(bc).mul_(decay)).neg_()
+        attn.diagonal(dim1=-2, dim2=-1).zero_()
+        attn = _solve_triangular(attn)
+        attn.diagonal(dim1=-2, dim2=-1).add_(1)
+        gexp = gc.exp().unsqueeze(-1)
+        u = attn @ (v * bc)  # U_i
+        w = attn @ (k * (bc * gexp))  # W_i
+        intra = (q @ k.transpose(-1, -2)).mul_(decay)  # A_i: decay is zero above the diagonal
+        q_decayed = q.mul_(gexp)  # Qg_i (q is not needed any more)
+        last = gc[..., -1:]  # (B, H, n, 1)
+        k_decayed_t = k.mul_((last - gc).exp_().unsqueeze(-1)).transpose(-1, -2)  # Kd_i^T
+        chunk_decay = last.exp().unsqueeze(-1)  # d_i (B, H, n, 1, 1)
         state = (torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=q.device) if initial_state is None
                  else initial_state.float().clone())
-        out = torch.empty_like(value_c)
-        for i in range(n):
-            qi, ki = q[:, :, i], k[:, :, i]
-            gi = gc[:, :, i]
-            intra = (qi @ ki.transpose(-1, -2) * decay[:, :, i]).masked_fill(strict_upper, 0)
-            v_new = value_c[:, :, i] - k_cumdecay[:, :, i] @ state
-            out[:, :, i] = (qi * gi.exp()[..., None]) @ state + intra @ v_new
-            state = state * gi[..., -1, None, None].exp() + (
-                ki * (gi[..., -1, None] - gi).exp()[..., None]).transpose(-1, -2) @ v_new
-        out = out.reshape(batch, heads, n * chunk_size, dv)[:, :, :seq]
-        return out.transpose(1, 2).to(value.dtype), (state if output_final_state else None)
+        out = torch.empty_like(u)
+        for i in range(n):  # the one sequential part: three matmuls with the state carried from chunk to chunk
+            v_new = u[:, :, i] - w[:, :, i] @ state
+            out[:, :, i] = q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new
+            state = state * chunk_decay[:, :, i] + k_decayed_t[:, :, i] @ v_new
+        out = out.permute(0, 2, 3, 1, 4).reshape(batch, n * chunk_size, heads, dv)[:, :seq]
+        return out.to(value.dtype), (state if output_final_state else None)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -151,12 +164,9 @@ def torch_chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: 
                                  beta: torch.Tensor, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
                                  output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False
                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Drop-in for the adapter's module-level _torch_chunk_gated_delta_rule (CHUNK_PARALLEL picks the solver)."""
-    from native_fastpaths import switches
-
-    solver = "triangular" if switches.enabled("CHUNK_PARALLEL") else "loop"
+    """Drop-in for the adapter's module-level _torch_chunk_gated_delta_rule (its prefill path; CHUNK_PARALLEL)."""
     return chunk_gated_delta_rule(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
-                                  use_qk_l2norm_in_kernel, solver=solver)
+                                  use_qk_l2norm_in_kernel)
 
 
 def torch_recurrent_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,

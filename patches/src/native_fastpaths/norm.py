@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from native_fastpaths.profiling import profiled
+
 
 def rms_norm_zero_centered(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / rms(x) * (1 + weight): the weight is stored centred on zero."""
@@ -23,4 +25,5 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def qwen3_5_rmsnorm_gated_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
                                   gate: torch.Tensor) -> torch.Tensor:
     """Drop-in body for Qwen3_5RMSNormGated.forward(self, hidden_states, gate)."""
-    return rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon)  # type: ignore[arg-type]
+    with profiled("norm.gated", hidden_states.device):
+        return rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon)  # type: ignore[arg-type]

@@ -12,6 +12,13 @@ from collections.abc import Iterator
 from native_fastpaths import switches
 
 _totals: dict[str, list[float]] = defaultdict(list)
+_notes: list[str] = []
+
+
+def note(line: str) -> None:
+    """A one-off fact (e.g. which path `auto` chose) printed with the NATIVE_PROFILE table."""
+    if switches.enabled("NATIVE_PROFILE"):
+        _notes.append(line)
 
 
 @contextlib.contextmanager
@@ -35,8 +42,8 @@ def report(stream: object = None) -> str:
     lines = [f"{'path':32} {'calls':>8} {'total ms':>10} {'mean us':>10}"]
     for name, times in sorted(_totals.items()):
         lines.append(f"{name:32} {len(times):8d} {sum(times) * 1e3:10.2f} {sum(times) / len(times) * 1e6:10.1f}")
-    text = "\n".join(lines)
-    if _totals:
+    text = "\n".join([*lines, *_notes])
+    if _totals or _notes:
         print(text, file=stream or sys.stderr)
     return text
 
