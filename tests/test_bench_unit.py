@@ -1,0 +1,283 @@
+"""The benchmark client without a server: metrics on hand-made records, the official score from the evaluator's
+logs, and every SSE dialect of ../shared/BENCH.md through httpx's mock transport."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from toolkit.bench import workloads
+from toolkit.bench.client import Conversation, Settings, Turn, run
+from toolkit.bench.metrics import RequestRecord, official_score, percentile, summarize
+from toolkit.bench.sse import Parser
+from toolkit.errors import ToolkitError
+
+# -- metrics ---------------------------------------------------------------------------------------------------
+
+
+def test_percentile_is_numpy_linear() -> None:
+    assert percentile([1, 2, 3], 10) == pytest.approx(1.2)  # the prior art's pinned case
+    assert percentile([5.0], 90) == 5.0
+    assert percentile([], 50) is None
+    assert percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
+    assert percentile([0, 10], 99) == pytest.approx(9.9)
+
+
+def test_official_score_reproduces_submission_168() -> None:
+    # the evaluator's metrics line for submission 168 (replay_tencent, 881 requests): its logged score 60194.6258
+    assert official_score(906.7935434581628, 28000.6975429668, 0.0) == pytest.approx(60194.6258, abs=5e-5)
+
+
+def record(i: int, prompt: int, cached: int, out: int, ttft: float, e2e: float, ok: bool = True) -> RequestRecord:
+    r = RequestRecord(f"r{i}", f"c{i}", 0, 0, float(i), ok=ok, status=200 if ok else 400, ttft=ttft, e2e=e2e,
+                      prompt_tokens=prompt if ok else 0, cached_tokens=cached if ok else 0,
+                      cache_reported=ok, completion_tokens=out if ok else 0)
+    r.failure = None if ok else "http_4xx"
+    return r
+
+
+def test_summary_aggregates_over_wall_time_with_failures_counted() -> None:
+    records = [record(0, 1000, 0, 100, 0.5, 10.0), record(1, 7000, 5000, 50, 2.0, 5.0),
+               record(2, 0, 0, 0, 0, 0, ok=False)]
+    s = summarize(records, wall_s=20.0)
+    assert s["success_rate"] == pytest.approx(2 / 3)
+    assert s["failure_classes"] == {"http_4xx": 1}
+    assert s["cache_hit_rate"] == pytest.approx(5000 / 8000)
+    assert s["output_tps_agg"] == pytest.approx(150 / 20) and s["cache_tps_agg"] == pytest.approx(250)
+    assert s["uncached_input_tps_agg"] == pytest.approx(3000 / 20)
+    # official Output TPS: tokens over the whole request; decode-only: over the time after the first token
+    assert s["output_tps_e2e_p50"] == pytest.approx((10 + 10) / 2)
+    assert s["output_tps_decode_p10"] == pytest.approx(100 / 9.5 + 0.1 * (50 / 3 - 100 / 9.5))
+    assert s["ttft_lt_6k_count"] == 1 and s["ttft_6k_16k_count"] == 1
+    assert s["official_replay_score"] == pytest.approx(official_score(7.5 * 60, 150 * 60, 250 * 60))
+    assert s["weighted_throughput_agg_output"] == pytest.approx(16.796 * 7.5 + 2.799 * 150 + 0.56 * 250)
+    p10 = s["output_tps_e2e_p10"]
+    assert s["weighted_throughput_p10_output"] == pytest.approx(16.796 * p10 + 2.799 * 150 + 0.56 * 250)
+
+
+def test_the_168_totals_give_its_logged_score() -> None:
+    # 94 successful requests carrying the logged totals, over the logged wall time
+    records = [record(i, 0, 0, 0, 1.0, 2.0) for i in range(94)]
+    records[0].prompt_tokens, records[0].completion_tokens = 1617586, 52385
+    s = summarize(records, wall_s=3466.169364212081)
+    assert s["official_replay_score"] == pytest.approx(60194.6258, abs=5e-4)
+
+
+# -- SSE dialects through the client ---------------------------------------------------------------------------
+
+def chunk(delta: dict[str, Any] | None = None, usage: dict[str, Any] | None = None, finish: str | None = None,
+          choices: bool = True) -> str:
+    body: dict[str, Any] = {"id": "x", "object": "chat.completion.chunk",
+                            "choices": [{"index": 0, "delta": delta or {}, "finish_reason": finish}] if choices else []}
+    if usage is not None:
+        body["usage"] = usage
+    return "data: " + json.dumps(body) + "\n\n"
+
+
+USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 32}}
+Stream = Callable[[], AsyncIterator[bytes]]
+
+
+def script(*parts: str | float | Exception) -> Stream:
+    """A response body: strings are sent, numbers are pauses (s), an exception is raised there."""
+    async def body() -> AsyncIterator[bytes]:
+        for part in parts:
+            if isinstance(part, float):
+                await asyncio.sleep(part)
+            elif isinstance(part, Exception):
+                raise part
+            else:
+                yield part.encode()
+    return body
+
+
+def serve(stream: Stream | None = None, status: int = 200, json_body: dict[str, Any] | None = None,
+          seen: list[dict[str, Any]] | None = None) -> httpx.MockTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen.append(json.loads(request.content))
+        if json_body is not None:
+            return httpx.Response(status, json=json_body)
+        assert stream is not None
+        return httpx.Response(status, headers={"content-type": "text/event-stream"}, content=stream())
+    return httpx.MockTransport(handler)
+
+
+def one(transport: httpx.MockTransport, timeout: float = 5.0) -> RequestRecord:
+    settings = Settings(url="http://test", timeout_s=timeout)
+    records, _ = asyncio.run(run([Conversation("c", [Turn("hi")])], settings, 1, transport=transport))
+    return records[0]
+
+
+def test_vllm_dialect_role_chunk_then_content_then_usage_only_chunk() -> None:
+    r = one(serve(script(chunk({"role": "assistant", "content": ""}), 0.05, chunk({"content": "Hel"}), 0.02,
+                         chunk({"content": "lo"}, finish="stop"), chunk(usage=USAGE, choices=False),
+                         "data: [DONE]\n\n")))
+    assert r.ok and r.failure is None
+    assert (r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.uncached_tokens) == (40, 32, 3, 8)
+    assert r.reply == "Hello" and r.finish_reason == "stop"
+    assert r.ttft is not None and r.e2e is not None and 0.04 < r.ttft < r.e2e  # the role chunk is no content
+    assert len(r.chunk_times) == 4 and len(r.content_times) == 2
+
+
+def test_usage_inside_the_last_choice_chunk_and_data_without_space() -> None:
+    r = one(serve(script(": keep-alive comment\r\n", chunk({"content": "a"}).replace("data: ", "data:"),
+                         chunk({"content": "b"}, usage=USAGE, finish="length"))))
+    assert r.ok and r.completion_tokens == 3 and r.finish_reason == "length"
+
+
+def test_reasoning_and_tool_call_deltas_are_first_content() -> None:
+    for delta in ({"reasoning_content": "hmm"}, {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}):
+        r = one(serve(script(chunk({"content": ""}), 0.03, chunk(delta), 0.05, chunk({"content": "x"}),
+                             chunk(usage=USAGE, choices=False), "data: [DONE]\n\n")))
+        assert r.ok and r.ttft is not None and r.ttft < 0.07, delta  # at the reasoning/tool delta, not later
+
+
+def test_no_usage_is_a_failure() -> None:
+    r = one(serve(script(chunk({"content": "a"}), "data: [DONE]\n\n")))
+    assert not r.ok and r.failure == "no_usage"
+    assert r.ttft is not None  # still measured
+
+
+def test_missing_cached_tokens_is_flagged_not_zeroed_silently() -> None:
+    r = one(serve(script(chunk({"content": "a"}), chunk(usage={"prompt_tokens": 5, "completion_tokens": 1},
+                                                         choices=False), "data: [DONE]\n\n")))
+    assert r.ok and not r.cache_reported and r.cached_tokens == 0
+    assert summarize([r], 1.0)["cache_reported"] is False
+
+
+def test_error_event_in_the_stream() -> None:
+    r = one(serve(script(chunk({"content": "a"}), "event: error\ndata: {\"message\": \"engine died\"}\n\n")))
+    assert not r.ok and r.failure == "error_event" and "engine died" in r.message
+    r = one(serve(script('data: {"error": {"message": "boom", "code": 500}}\n\n')))
+    assert r.failure == "error_event" and "boom" in r.message
+
+
+def test_http_400_with_a_json_body() -> None:
+    body = {"object": "error", "message": "maximum context length is 8192 tokens", "code": 400}
+    r = one(serve(status=400, json_body=body))
+    assert not r.ok and r.failure == "http_4xx" and r.status == 400
+    assert "maximum context length" in r.message
+    r = one(serve(status=503, json_body={"error": "overloaded"}))
+    assert r.failure == "http_5xx"
+
+
+def test_a_mid_stream_disconnect() -> None:
+    r = one(serve(script(chunk({"content": "a"}), httpx.RemoteProtocolError("peer closed connection"))))
+    assert not r.ok and r.failure == "stream_aborted" and "peer closed" in r.message
+
+
+def test_a_timeout() -> None:
+    r = one(serve(script(chunk({"content": "a"}), httpx.ReadTimeout("read timed out"))))
+    assert not r.ok and r.failure == "timeout"
+
+
+def test_a_refused_connection() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+    r = one(httpx.MockTransport(handler))
+    assert not r.ok and r.failure == "connection"
+
+
+def test_sse_parser_edge_cases() -> None:
+    parser = Parser()
+    assert parser.feed("").kind == "skip" and parser.feed(": comment").kind == "skip"
+    assert parser.feed("data: [DONE]\r\n").kind == "done"
+    assert parser.feed("data: not json").kind == "error"
+    assert parser.feed("id: 7").kind == "skip"
+
+
+# -- conversations: order, feedback, salt ----------------------------------------------------------------------
+
+def test_conversation_turns_run_in_order_with_replies_fed_back_and_a_salt() -> None:
+    seen: list[dict[str, Any]] = []
+    reply = script(chunk({"content": "R"}), chunk(usage=USAGE, choices=False), "data: [DONE]\n\n")
+    convs = [Conversation(f"c{i}", [Turn("first"), Turn("second"), Turn("third", assistant=None)],
+                          system="be brief") for i in range(3)]
+    settings = Settings(url="http://test", salt="s4lt")
+    records, _ = asyncio.run(run(convs, settings, 2, transport=serve(reply, seen=seen)))
+    assert len(records) == 9 and all(r.ok for r in records)
+    by_conv: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        by_conv.setdefault(r.conversation, []).append(r)
+    for turns in by_conv.values():
+        assert [t.turn for t in sorted(turns, key=lambda t: t.t0)] == [0, 1, 2]
+        assert len({t.worker for t in turns}) == 1  # one conversation stays on one worker
+    last = max(seen, key=lambda b: len(b["messages"]))
+    assert [m["role"] for m in last["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert last["messages"][0]["content"] == "[run s4lt] be brief"  # the salt at the very start
+    assert last["messages"][2]["content"] == "R"  # the live reply fed back
+    assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["model"] == "llm" for b in seen)
+
+
+def test_tools_workload_salts_the_prefix_the_template_renders_first() -> None:
+    seen: list[dict[str, Any]] = []
+    reply = script(chunk({"content": "R"}), chunk(usage=USAGE, choices=False), "data: [DONE]\n\n")
+    asyncio.run(run(workloads.tools(1), Settings(url="http://test", salt="abc"), 1,
+                    transport=serve(reply, seen=seen)))
+    tools = seen[0]["tools"]
+    assert len(tools) == 29 and tools[0]["function"]["description"].startswith("[run abc]")
+    assert workloads.tool_schemas()[0]["function"]["description"].startswith("get weather")  # not mutated
+
+
+def test_workload_files_are_checked_with_line_numbers(tmp_path: Path) -> None:
+    good = tmp_path / "c.jsonl"
+    good.write_text('{"id": "a", "turns": [{"user": "x"}, {"user": "y", "assistant": "z"}]}\n\n')
+    convs = workloads.conversations(good)
+    assert convs[0].id == "a" and [t.user for t in convs[0].turns] == ["x", "y"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "turns": [{"user": "x"}]}\n{"id": "b", "turns": "nope"}\n')
+    with pytest.raises(ToolkitError, match=r"bad.jsonl:2: `turns`"):
+        workloads.conversations(bad)
+    replay = tmp_path / "r.jsonl"
+    replay.write_text('{"messages": [{"role": "user", "content": "q"}], "max_tokens": 9}\n')
+    assert workloads.replay(replay)[0].body == {"messages": [{"role": "user", "content": "q"}], "max_tokens": 9}
+    with pytest.raises(ToolkitError, match="not JSON"):
+        (tmp_path / "x.jsonl").write_text("{oops\n")
+        workloads.replay(tmp_path / "x.jsonl")
+
+
+# -- the GPU sampler, with a fake nvidia-smi -------------------------------------------------------------------
+
+FAKE_SMI = """#!/bin/sh
+# prints two cards per sample, like nvidia-smi --query-gpu ... --format=csv,noheader,nounits [-lms N]
+sample() { echo "2026/11/30 10:00:0$1.000, 0, 50, 30000, 32768"; echo "2026/11/30 10:00:0$1.000, 1, 70, 2000, 32768"; }
+case "$*" in
+  *-lms*) i=0; while [ $i -lt 9 ]; do sample $i; i=$((i+1)); sleep 0.1; done; sleep 30 ;;
+  *) sample 0 ;;
+esac
+"""
+
+
+def test_gpu_sampler_with_a_fake_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit.bench.serve import GpuSampler, leftovers
+
+    smi = tmp_path / "bin" / "fake-smi"
+    smi.parent.mkdir()
+    smi.write_text(FAKE_SMI)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    sampler = GpuSampler("fake-smi")
+    assert sampler.available and sampler.memory_used_mb() == 32000
+    sampler.start(tmp_path / "gpu.csv")
+    time.sleep(1.2)
+    points = sampler.stop()
+    assert len(points) >= 3 and all(u == 60.0 for _, u in points)  # two cards averaged per sample
+    assert any("32000 MB of GPU memory held" in p for p in leftovers(1, sampler))  # port 1: never ours
+    assert not GpuSampler("no-such-smi-binary").available
+
+
+def test_gpu_sampling_is_off_without_a_binary(tmp_path: Path) -> None:
+    from toolkit.bench.serve import GpuSampler
+
+    sampler = GpuSampler("no-such-smi-binary")
+    sampler.start(tmp_path / "gpu.csv")
+    assert sampler.stop() == [] and not (tmp_path / "gpu.csv").exists()

@@ -1,0 +1,7 @@
+"""Measuring a served model the way the platform's evaluator does.
+
+Owns: the streaming client and its per-request records (`client`, `sse`), the workloads (`workloads`), the run
+metrics, official score and targets (`metrics`), what a run writes (`output`), the server lifecycle and leftover
+checks (`serve`), the cached CPU test server (`cpu_server`) and the experiment runner (`experiment`).
+May import: the recipe, variants, render and results stages. Nothing but the CLI imports this package.
+"""

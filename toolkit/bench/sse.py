@@ -1,0 +1,67 @@
+"""Server-sent events as OpenAI-compatible servers send them: `data:` with or without a space, comments,
+`event:` lines (only `event: error` matters), CRLF, and the `[DONE]` sentinel."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # "data", "done", "error", "skip"
+    payload: dict[str, Any] | None = None
+    raw: str = ""
+
+
+class Parser:
+    """Turns lines into events; remembers an `event: error` line for the data line that follows it."""
+
+    def __init__(self) -> None:
+        self._pending_error = False
+
+    def feed(self, line: str) -> Event:
+        line = line.rstrip("\r\n")
+        if not line or line.startswith(":"):
+            return Event("skip")
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            self._pending_error = value.strip() == "error"
+            return Event("skip")
+        if field != "data":
+            return Event("skip")
+        if value.strip() == "[DONE]":
+            return Event("done")
+        try:
+            payload = json.loads(value)
+        except json.JSONDecodeError:
+            return Event("error", None, f"not JSON: {value[:200]}")
+        if not isinstance(payload, dict):
+            return Event("error", None, f"not a JSON object: {value[:200]}")
+        if self._pending_error or "error" in payload:
+            self._pending_error = False
+            error = payload.get("error", payload)
+            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            return Event("error", payload, message)
+        return Event("data", payload)
+
+
+def content_of(payload: dict[str, Any]) -> tuple[bool, str, str | None]:
+    """(is a content event, the visible text it adds, its finish reason) for one chunk."""
+    has_content = False
+    text = ""
+    finish = None
+    for choice in payload.get("choices") or []:
+        delta = choice.get("delta") or choice.get("message") or {}
+        for key in ("content", "reasoning_content", "reasoning"):
+            value = delta.get(key)
+            if isinstance(value, str) and value:
+                has_content = True
+                if key == "content":
+                    text += value
+        if delta.get("tool_calls"):
+            has_content = True
+        finish = choice.get("finish_reason") or finish
+    return has_content, text, finish
