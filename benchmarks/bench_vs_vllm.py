@@ -10,7 +10,6 @@ concurrency 1 and 4, alternating, and prints each pair with its ratio (ours / vL
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -21,21 +20,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from toolkit.bench import cpu_server, workloads  # noqa: E402
-from toolkit.bench.client import Settings, run  # noqa: E402
+from toolkit.bench import cpu_server  # noqa: E402
 from toolkit.bench.experiment import OFFLINE_ENV, server_command  # noqa: E402
-from toolkit.bench.metrics import summarize  # noqa: E402
 from toolkit.bench.serve import Server, free_port  # noqa: E402
 from toolkit.recipe import load_recipe  # noqa: E402
 from toolkit.render import render  # noqa: E402
 
+# Both clients on the same core: on a 2-core machine vLLM binds its engine to core 0 and leaves core 1 to the API
+# server; a client the scheduler happens to put beside the API server sees whole streams arrive in one burst.
+PIN = ["taskset", "-c", "0"]
 WRAPPER = ("import argparse; from vllm.benchmarks.serve import add_cli_args, main; "
            "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args())")
 
 
 def vllm_bench(python: Path, url: str, model: Path, requests: int, output_len: int, concurrency: int,
                folder: Path) -> dict[str, float]:
-    cmd = [str(python), "-c", WRAPPER, "--backend", "openai-chat", "--base-url", url, "--endpoint",
+    cmd = [*PIN, str(python), "-c", WRAPPER, "--backend", "openai-chat", "--base-url", url, "--endpoint",
            "/v1/chat/completions", "--model", "llm", "--tokenizer", str(model), "--dataset-name", "random",
            "--random-input-len", "24", "--random-output-len", str(output_len), "--num-prompts", str(requests),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--save-result", "--result-dir", str(folder),
@@ -45,11 +45,13 @@ def vllm_bench(python: Path, url: str, model: Path, requests: int, output_len: i
     return {"output_throughput": data["output_throughput"], "ttft_p50_ms": data["median_ttft_ms"]}
 
 
-def ours(url: str, requests: int, output_len: int, concurrency: int) -> dict[str, float]:
-    # a fresh salt each call: vLLM's random prompts are cold every time, and so must ours be
-    settings = Settings(url=url, max_tokens=output_len, ignore_eos=True, salt=uuid.uuid4().hex[:12])
-    records, wall = asyncio.run(run(workloads.short(requests), settings, concurrency))
-    summary = summarize(records, wall)
+def ours(url: str, requests: int, output_len: int, concurrency: int, folder: Path) -> dict[str, float]:
+    """`toolkit bench` in a process of its own, as vLLM's client runs in one (salted: cold like random prompts)."""
+    out = folder / f"ours-{uuid.uuid4().hex[:8]}"
+    subprocess.run([*PIN, sys.executable, "-m", "toolkit.cli", "bench", url, "--requests", str(requests),
+                    "--max-tokens", str(output_len), "--ignore-eos", "--concurrency", str(concurrency), "-o", str(out),
+                    "--json"], check=True, capture_output=True, cwd=ROOT)
+    summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
     assert summary["success_rate"] == 1.0, summary
     return {"output_throughput": summary["output_tps_agg"], "ttft_p50_ms": summary["ttft_p50_ms"]}
 
@@ -80,7 +82,7 @@ def main() -> int:
                 for _ in range(args.rounds):  # alternating, so drift in the machine's load hits both
                     theirs.append(vllm_bench(python, server.url, model, args.requests, args.output_len,
                                              concurrency, Path(tmp)))
-                    mine.append(ours(server.url, args.requests, args.output_len, concurrency))
+                    mine.append(ours(server.url, args.requests, args.output_len, concurrency, Path(tmp)))
                 for metric in ("output_throughput", "ttft_p50_ms"):
                     a = sum(m[metric] for m in mine) / len(mine)
                     b = sum(t[metric] for t in theirs) / len(theirs)
