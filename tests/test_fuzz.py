@@ -143,31 +143,32 @@ STRUCTURE = {  # mutation -> the transform it must make DRIFTED
 }
 
 
+# mutation -> (file, old text, new text) replacements, applied in order
+MUTATIONS: dict[str, list[tuple[str, str, str]]] = {
+    "comments": [("args", "    def ", "    # vendor note\n    def "),
+                 ("args", "        use_v1 = True", "        # forced\n        use_v1 = True"),
+                 ("registry", '    "B"', '    # b is new\n    "B"')],
+    "one-line-call": [("args",
+                       "ModelConfig(\n            model=self.model,\n            enforce_eager=True,\n        )",
+                       "ModelConfig(model=self.model, enforce_eager=True)")],
+    "blank-lines": [("args", "\n\n", "\n\n\n")],
+    "duplicate-anchor": [("args", "        use_v1 = True\n", "        use_v1 = True\n        use_v1 = True\n")],
+    "rename-scope": [("args", "def create_model_config(", "def create_model_cfg(")],
+    "move-into-other-scope": [("args", "        use_v1 = True\n", ""),
+                              ("args", "        return x + y", "        use_v1 = True\n        return x + y")],
+    "changed-value": [("args", "enforce_eager=True", "enforce_eager=False")],
+    "key-taken": [("registry", '    "B": ("b", "B"),', '    "B": ("b", "B"),\n    "C": ("x", "X"),')],
+    "anchor-key-gone": [("registry", '    "A": ("a", "A"),\n', "")],
+}
+
+
 def _mutate(args: str, registry: str, mutations: list[str]) -> tuple[str, str]:
+    files = {"args": args, "registry": registry}
     for m in mutations:
-        if m == "comments":
-            args = args.replace("    def ", "    # vendor note\n    def ")
-            args = args.replace("        use_v1 = True", "        # forced\n        use_v1 = True")
-            registry = registry.replace('    "B"', '    # b is new\n    "B"')
-        elif m == "one-line-call":
-            multi_line = "ModelConfig(\n            model=self.model,\n            enforce_eager=True,\n        )"
-            args = args.replace(multi_line, "ModelConfig(model=self.model, enforce_eager=True)")
-        elif m == "blank-lines":
-            args = args.replace("\n\n", "\n\n\n")
-        elif m == "duplicate-anchor":
-            args = args.replace("        use_v1 = True\n", "        use_v1 = True\n        use_v1 = True\n")
-        elif m == "rename-scope":
-            args = args.replace("def create_model_config(", "def create_model_cfg(")
-        elif m == "move-into-other-scope":
-            args = args.replace("        use_v1 = True\n", "").replace("        return x + y",
-                                                                         "        use_v1 = True\n        return x + y")
-        elif m == "changed-value":
-            args = args.replace("enforce_eager=True", "enforce_eager=False")
-        elif m == "key-taken":
-            registry = registry.replace('    "B": ("b", "B"),', '    "B": ("b", "B"),\n    "C": ("x", "X"),')
-        elif m == "anchor-key-gone":
-            registry = registry.replace('    "A": ("a", "A"),\n', "")
-    return args, registry
+        # crlf and bom change the bytes (in _encode); an earlier mutation may have taken a later one's text
+        for name, old, new in MUTATIONS.get(m, []):
+            files[name] = files[name].replace(old, new)
+    return files["args"], files["registry"]
 
 
 def _encode(text: str, mutations: list[str]) -> bytes:

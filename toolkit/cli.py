@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import git
-
 from toolkit import __version__
 from toolkit.engine import Engine, commit, make_lock
 from toolkit.errors import EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
@@ -28,7 +26,6 @@ from toolkit.submission import (
     build_all_variants,
     check_outdir,
     files_by_kind,
-    replaceable_problem,
     server_command,
     used_sources,
 )
@@ -182,8 +179,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     outdir = Path(args.output)
     started = time.monotonic()
     notes: list[str] = []
-    check_outdir(outdir, loaded, args.force)  # before anything slow: a refused OUTDIR is said at once
-    previous = None if replaceable_problem(outdir) else str(git.Repo(outdir).head.commit.hexsha)
+    previous = check_outdir(outdir, loaded, args.force)  # before anything slow: a refused OUTDIR is said at once
     PROGRESS.untouched = (f"{outdir} was left as it was" + (f" (the previous submission, commit {previous[:12]})"
                           if previous else "") + "; the half-written tree beside it was removed")
     trees = _trees(loaded, args)

@@ -291,7 +291,7 @@ class ReplaceBody(SourceTransform):
         if not sep:
             raise ValueError(f"source must be path.py:function, got {value!r}")
         _relative_path(path)
-        if not re.fullmatch(_DOTTED, qualname) or any(keyword.iskeyword(p) for p in qualname.split(".")):
+        if not re.fullmatch(_DOTTED, qualname) or re.search(_banned("."), qualname):
             raise ValueError(f"not a dotted Python name: {qualname!r}")
         return value
 

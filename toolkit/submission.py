@@ -147,6 +147,10 @@ def _contains(folder: Path, path: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def _empty_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
 def replaceable_problem(outdir: Path) -> str | None:
     """Why OUTDIR is not a previous submission of this tool that can be replaced with nothing lost (None: it is).
 
@@ -190,13 +194,14 @@ def protected_problem(outdir: Path, loaded: LoadedRecipe) -> str | None:
     return None
 
 
-def check_outdir(outdir: Path, loaded: LoadedRecipe, force: bool) -> None:
-    """Refuse, before anything is written, an OUTDIR whose replacement could lose somebody's files."""
+def check_outdir(outdir: Path, loaded: LoadedRecipe, force: bool) -> str | None:
+    """Refuse, before anything is written, an OUTDIR whose replacement could lose somebody's files.
+
+    Returns the commit of the previous submission that will be replaced (None: OUTDIR is new or empty).
+    """
     problem = protected_problem(outdir, loaded)
-    if problem is None and not outdir.exists():
-        return
-    if problem is None and outdir.is_dir() and not outdir.is_symlink() and not any(outdir.iterdir()):
-        return  # an empty folder: nothing in it to lose
+    if problem is None and (not outdir.exists() or _empty_folder(outdir)):
+        return None  # nothing there to lose
     if problem is None and not force:
         raise ToolkitError(f"{outdir} exists; nothing was touched",
                            hint="choose a new folder, or pass --force to replace a previous submission built there")
@@ -205,11 +210,12 @@ def check_outdir(outdir: Path, loaded: LoadedRecipe, force: bool) -> None:
         raise ToolkitError(f"refusing to write the submission to {outdir}: {problem}; nothing was touched",
                            hint="choose a new folder (--force only replaces an unchanged submission that "
                            "`toolkit build` wrote)")
+    return str(git.Repo(outdir).head.commit.hexsha)
 
 
 def _swap(tmp: Path, outdir: Path) -> None:
     """Put the new tree in place; the old one is removed only once the new one is there."""
-    if not outdir.exists() or (outdir.is_dir() and not any(outdir.iterdir())):
+    if not outdir.exists() or _empty_folder(outdir):
         os.replace(tmp, outdir)  # rename(2) replaces an empty folder atomically
         return
     old = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.old.", dir=outdir.parent))

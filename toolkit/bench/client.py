@@ -4,6 +4,7 @@ timestamped as it arrives, token counts from `usage` only."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import json
 import time
@@ -55,7 +56,7 @@ def _salted_tools(tools: list[dict[str, Any]], salt: str | None) -> list[dict[st
     """Templates render the tools before every message: the salt goes into the first tool's description."""
     if not salt or not tools:
         return tools
-    first: dict[str, Any] = json.loads(json.dumps(tools[0]))
+    first = copy.deepcopy(tools[0])
     function = first.setdefault("function", {})
     function["description"] = _salted(str(function.get("description", "")), salt)
     return [first, *tools[1:]]
@@ -73,7 +74,7 @@ def _body(conv: Conversation, messages: list[dict[str, Any]], max_tokens: int, s
 
 def _replayed(body: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """A recorded request as it was, streaming with usage, to our model name, salted at its first message."""
-    out: dict[str, Any] = json.loads(json.dumps(body))
+    out = copy.deepcopy(body)
     out.update(model=settings.model, stream=True, stream_options={"include_usage": True})
     messages = out.get("messages") or []
     if settings.salt and messages and isinstance(messages[0].get("content"), str):
