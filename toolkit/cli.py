@@ -14,13 +14,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit import __version__
-from toolkit.engine import Engine, commit, make_lock
+from toolkit.engine import Engine, commit, make_lock, run_packages
 from toolkit.errors import EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
 from toolkit.lint import lint
 from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
 from toolkit.report import emit
 from toolkit.results import Report, Severity, State
-from toolkit.sources import Root, reference_root, resolve_trees, rootfs_roots
+from toolkit.sources import (
+    Root,
+    package_roots,
+    parse_source_override,
+    reference_root,
+    resolve_trees,
+    rootfs_roots,
+)
 from toolkit.submission import build as build_submission
 from toolkit.submission import (
     build_all_variants,
@@ -59,6 +66,10 @@ examples:
 """
 
 
+SOURCE_HELP = ("a local clone of a declared source (bare or --no-checkout works: files are read from git at the "
+               "pinned commit, only those the recipe uses); @COMMIT overrides the pin for this run")
+
+
 @dataclasses.dataclass
 class Progress:
     """What the running verb has done that an interrupt cannot undo, so that the message tells the truth."""
@@ -73,15 +84,22 @@ class Progress:
 PROGRESS = Progress()
 
 
-def _trees(loaded: LoadedRecipe, args: argparse.Namespace) -> dict[str, Path]:
-    overrides = {}
+def _trees(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, Path]]:
+    """The declared sources available here, and the recipe with any `--source NAME=PATH@COMMIT` pin applied."""
+    overrides: dict[str, tuple[str, str | None]] = {}
     for item in getattr(args, "source", None) or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ToolkitError(f"--source {item!r}: expected NAME=PATH",
-                               hint="e.g. --source qwen36-adapter=../qwen36_01")
-        overrides[name] = path
-    return resolve_trees(loaded.recipe, loaded.path.parent, overrides)
+        name, path, rev = parse_source_override(item)
+        overrides[name] = (path, rev)
+    trees, commits = resolve_trees(loaded.recipe, loaded.path.parent, overrides)
+    pinned = {s.name: s.commit for s in loaded.recipe.sources}
+    moved = {name: sha for name, sha in commits.items() if pinned[name] != sha}
+    for name, sha in moved.items():
+        print(f"source {name}: pin {pinned[name][:12]} overridden by --source for this run: {sha}",
+              file=sys.stderr)
+    if moved:
+        sources = [s.model_copy(update={"commit": moved.get(s.name, s.commit)}) for s in loaded.recipe.sources]
+        loaded = dataclasses.replace(loaded, recipe=loaded.recipe.model_copy(update={"sources": sources}))
+    return loaded, trees
 
 
 def _roots(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[list[Root], Path | None]:
@@ -93,6 +111,42 @@ def _roots(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[list[Root], 
         raise ToolkitError("no vendor tree given", hint="pass --rootfs DIR (a folder laid out like the image)")
     rootfs = Path(args.rootfs)
     return rootfs_roots(loaded.recipe, rootfs), rootfs
+
+
+def _package_roots(loaded: LoadedRecipe, args: argparse.Namespace, rootfs: Path | None) -> dict[str, list[Root]]:
+    """The roots of every declared package that transforms edit (the vendor's are given by _roots)."""
+    given: dict[str, str] = {}
+    for item in getattr(args, "package_root", None) or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ToolkitError(f"--package-root {item!r}: expected NAME=DIR", hint="e.g. --package-root "
+                               "transformers=./rootfs/usr/local/lib/python3.10/site-packages")
+        given[name] = path
+    recipe = loaded.recipe
+    unknown = sorted(set(given) - {p.name for p in recipe.packages})
+    if unknown:
+        raise ToolkitError(f"--package-root names no declared package: {', '.join(unknown)}",
+                           hint=f"declared: {', '.join(p.name for p in recipe.packages) or 'none'}")
+    out: dict[str, list[Root]] = {}
+    for package in recipe.packages:
+        if not recipe.for_package(package.name):
+            continue
+        release = package.trial_release
+        if getattr(args, "reference", None) and package.name not in given and release:
+            out[package.name] = [reference_root(release, recipe.base_image.python, recipe.base_image.platform)]
+        else:
+            out[package.name] = package_roots(recipe, package.name, rootfs, given)
+    return out
+
+
+def _engines(loaded: LoadedRecipe, args: argparse.Namespace, trees: dict[str, Path],
+             **options: Any) -> tuple[list[Engine], list[Root]]:
+    """One engine per package the recipe edits: the vendor's first."""
+    roots, rootfs = _roots(loaded, args)
+    engines = [Engine(loaded, roots, rootfs, trees=trees, **options)]
+    for name, package_roots_ in _package_roots(loaded, args, rootfs).items():
+        engines.append(Engine(loaded, package_roots_, rootfs, trees=trees, package=name, **options))
+    return engines, roots
 
 
 def _read_lock(path: str | None) -> dict[str, object] | None:
@@ -119,10 +173,9 @@ def _exit(report: Report, strict: bool = False) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    loaded = load_recipe(args.recipe)
-    roots, rootfs = _roots(loaded, args)
-    engine = Engine(loaded, roots, rootfs, lock=_read_lock(args.check_lock), trees=_trees(loaded, args))
-    plan = engine.run()
+    loaded, trees = _trees(load_recipe(args.recipe), args)
+    engines, _ = _engines(loaded, args, trees, lock=_read_lock(args.check_lock))
+    plan = run_packages(engines)
     written: list[str] = []
     PROGRESS.untouched = "nothing was written: the writes are all-or-nothing and were rolled back or never began"
     if plan.ok and not args.dry_run:
@@ -133,7 +186,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         lock = make_lock(plan, loaded.recipe.name, loaded.recipe.vendor.package)
         Path(args.write_lock).write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         PROGRESS.done.append(f"lock written to {args.write_lock}")
-    notes = [f"{label}: {loaded.recipe.vendor.package} {v}" for label, v in plan.versions.items()]
+    notes = list(plan.notes)
     if not plan.ok:
         notes.append("nothing was written: fix the DRIFTED transforms (or the vendor tree) and run again")
     elif args.dry_run:
@@ -147,12 +200,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    loaded = load_recipe(args.recipe)
-    roots, rootfs = _roots(loaded, args)
-    engine = Engine(loaded, roots, rootfs, check_version=not args.reference, trees=_trees(loaded, args))
-    plan = engine.run()
-    first = roots[0].label
-    steps = [s for s in plan.steps if s.root in (first, "/")]
+    loaded, trees = _trees(load_recipe(args.recipe), args)
+    engines, _ = _engines(loaded, args, trees, check_version=not args.reference)
+    plan = run_packages(engines)
+    firsts = {e.roots[0].label for e in engines}
+    first = engines[0].roots[0].label
+    steps = [s for s in plan.steps if s.root in (*firsts, "/")]
     if args.json:
         report = Report("diff", str(loaded.path), tuple(plan.results), extra={
             "diffs": [{"transform": s.transform, "file": s.file, "root": s.root, "diff": s.unified()} for s in steps]})
@@ -182,7 +235,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     previous = check_outdir(outdir, loaded, args.force)  # before anything slow: a refused OUTDIR is said at once
     PROGRESS.untouched = (f"{outdir} was left as it was" + (f" (the previous submission, commit {previous[:12]})"
                           if previous else "") + "; the half-written tree beside it was removed")
-    trees = _trees(loaded, args)
+    loaded, trees = _trees(loaded, args)
     trial = try_recipe(loaded, trees, Path(args.rootfs) if args.rootfs else None)
     if not trial.ok:
         # the platform's docker build shows no log: a transform that cannot apply must stop the build here
@@ -270,9 +323,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report = verify_submission(Path(args.recipe))
         emit(report, as_json=args.json)
         return _exit(report)
-    loaded = load_recipe(args.recipe)
+    loaded, trees = _trees(load_recipe(args.recipe), args)
     roots, rootfs = _roots(loaded, args)
-    report = verify_tree(loaded, roots, rootfs, _trees(loaded, args))
+    report = verify_tree(loaded, roots, rootfs, trees)
+    for name, package_roots_ in _package_roots(loaded, args, rootfs).items():
+        extra = verify_tree(loaded, package_roots_, rootfs, trees, package=name)
+        order = {t.id: i for i, t in enumerate(loaded.recipe.transforms)}
+        merged = sorted((*report.results, *extra.results), key=lambda r: (order[r.transform], r.root))
+        report = dataclasses.replace(
+            report, results=tuple(merged),
+            findings=(*report.findings, *extra.findings), notes=(*report.notes, *extra.notes))
     # a tree that verifies but whose recipe cannot start is not verified
     lint_errors = tuple(i for i in lint(loaded, rootfs=rootfs).issues if i.severity is Severity.ERROR)
     report = dataclasses.replace(report, issues=lint_errors)
@@ -459,8 +519,10 @@ def build_parser() -> argparse.ArgumentParser:
         if reference:
             p.add_argument("--reference", nargs="?", const=True, metavar="NAME==VERSION",
                            help="use a public release fetched by pip (default: the recipe's vendor.reference)")
-        p.add_argument("--source", action="append", metavar="NAME=PATH",
-                       help="a local checkout of a declared source (its pinned commit is used)")
+        p.add_argument("--source", action="append", metavar="NAME=PATH[@COMMIT]", help=SOURCE_HELP)
+        p.add_argument("--package-root", action="append", metavar="NAME=DIR",
+                       help="the site-packages folder holding a declared package (e.g. transformers) on this "
+                       "machine; default: its packages[].roots under --rootfs (with --reference: its release)")
         p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     p = sub.add_parser("apply", help="apply every transform to every vendor root (all or nothing)",
@@ -486,9 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the base submission plus one run config per variant that lints clean")
     p.add_argument("--branches", action="store_true", help="with --all-variants: one branch per variant too")
     p.add_argument("--push", metavar="URL", help="push the branch(es) to this git remote")
-    p.add_argument("--source", action="append", metavar="NAME=PATH",
-                   help="bundle a declared source from this local checkout (at its pinned commit) instead of "
-                   "fetching it at image build")
+    p.add_argument("--source", action="append", metavar="NAME=PATH[@COMMIT]",
+                   help="bundle a declared source from this local clone instead of fetching it at image build; "
+                   + SOURCE_HELP)
+    p.add_argument("--package-root", action="append", metavar="NAME=DIR",
+                   help="with --rootfs: the site-packages folder of a declared package there")
     p.add_argument("--rootfs", metavar="DIR", help="try the transforms on these real vendor roots (a folder laid out "
                    "like the image, e.g. from `toolkit vendor pull`) instead of the CoreX-like reference tree")
     p.add_argument("--force", action="store_true",

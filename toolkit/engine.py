@@ -14,11 +14,11 @@ import libcst as cst
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from toolkit.errors import InputDriftError, WriteError
+from toolkit.errors import InputDriftError, ToolkitError, WriteError
 from toolkit.markers import append_markers, read_markers
 from toolkit.recipe import Deploy, LoadedRecipe, SourceTransform, TransformBase
 from toolkit.results import Result, State
-from toolkit.sources import Root, vendor_version
+from toolkit.sources import Root, version_with_source
 from toolkit.transforms import FileKind, file_kind, source_kind
 from toolkit.transforms.base import Context, decide
 from toolkit.transforms.deploy import DeployKind
@@ -122,17 +122,31 @@ def gated_off(spec: TransformBase, version: str | None) -> str | None:
 class Engine:
     def __init__(self, loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None, *,
                  check_version: bool = True, lock: dict[str, object] | None = None,
-                 trees: dict[str, Path] | None = None, skip: frozenset[str] = frozenset()):
-        """skip: ids of transforms left out of this plan (the caller reports why); used only for trials."""
+                 trees: dict[str, Path] | None = None, skip: frozenset[str] = frozenset(),
+                 package: str | None = None, check_replaced: bool = True):
+        """skip: ids of transforms left out of this plan (the caller reports why); used only for trials.
+
+        package: whose roots these are (default the vendor's); only that package's transforms are planned.
+        check_replaced: False only on a stand-in of the image (the reference), where the vendor files that
+        whole-file replacements expect are not the real ones; the trial says so.
+        """
         self.lock = lock
         self.loaded = loaded
         self.recipe = loaded.recipe
+        self.package = package or self.recipe.vendor.package
+        declared = self.recipe.package(self.package)
+        if self.package != self.recipe.vendor.package and declared is None:
+            raise ToolkitError(f"package {self.package!r} is not declared in {loaded.path}",
+                               hint="declare it under packages: (name, version)")
+        self.version_spec = declared.version if declared is not None else self.recipe.vendor.version
+        self.check_replaced = check_replaced
         self.roots = roots
         self.rootfs = rootfs
         self.check_version = check_version
         self.ctx = Context(loaded.patches_dir, dict(trees or {}))
         self.index = {t.id: i for i, t in enumerate(self.recipe.transforms)}
-        active = [t for t in self.recipe.transforms if t.id not in skip]
+        self.transforms = self.recipe.for_package(self.package)
+        active = [t for t in self.transforms if t.id not in skip]
         self.source_specs = [t for t in active if isinstance(t, SourceTransform)]
         self.source = {t.id: source_kind(t, self.ctx) for t in self.source_specs}
         self.files = {t.id: file_kind(t, self.ctx) for t in active if not isinstance(t, SourceTransform)}
@@ -140,6 +154,8 @@ class Engine:
         self.deployed: dict[str, tuple[bytes, Deploy]] = {}
         targets = {t.file for t in self.source_specs}
         for kind in self.files.values():
+            if isinstance(kind, DeployKind):
+                kind.check_replaced = check_replaced
             if isinstance(kind, DeployKind) and not kind.rootfs_level and roots:
                 for rel, data in kind.contents(roots[0].path).items():
                     if rel in targets:
@@ -148,26 +164,34 @@ class Engine:
     # -- inputs -----------------------------------------------------------------------------
 
     def _versions(self) -> dict[str, str | None]:
-        package = self.recipe.vendor.package
-        versions = {r.label: vendor_version(r.path, package) for r in self.roots}
+        package = self.package
+        found = {r.label: version_with_source(r.path, package) for r in self.roots}
+        versions = {label: v for label, (v, _) in found.items()}
+        for label, (v, where) in found.items():
+            self.plan.notes.append(f"{label}: {package} {v} (read from {where})")
         if len(set(versions.values())) > 1:
             raise InputDriftError(
                 "vendor roots carry different versions: " + ", ".join(f"{k}={v}" for k, v in versions.items()),
                 hint="every root must hold the same vendor build; patching one and running the other is the bug",
             )
         version = next(iter(versions.values()))
-        gated = [t.id for t in self.recipe.transforms if t.gate and t.gate.vendor_version]
+        gated = [t.id for t in self.transforms if t.gate and t.gate.vendor_version]
         if version is None and (self.check_version or gated):
             raise InputDriftError(
-                f"no {package} version metadata (*.dist-info/METADATA) in {self.roots[0].path}",
-                hint="the vendor roots must be complete site-packages folders",
+                f"no {package} version in {self.roots[0].path}: {found[self.roots[0].label][1]}",
+                hint=f"the roots must hold {package}'s metadata or its version module",
             )
         if self.check_version and version is not None:
-            spec = SpecifierSet(self.recipe.vendor.version)
+            spec = SpecifierSet(self.version_spec)
             if Version(version) not in spec:
+                if package == self.recipe.vendor.package:
+                    field, line = "vendor.version", self.loaded.line_of("vendor", "version")
+                else:
+                    index = [p.name for p in self.recipe.packages].index(package)
+                    field, line = f"packages[{package}].version", self.loaded.line_of("packages", index, "version")
                 raise InputDriftError(
-                    f"{package} {version} in {self.roots[0].label} does not satisfy vendor.version "
-                    f"{self.recipe.vendor.version} ({self.loaded.path}:{self.loaded.line_of('vendor', 'version')})",
+                    f"{package} {version} in {self.roots[0].label} does not satisfy {field} {self.version_spec} "
+                    f"({self.loaded.path}:{line})",
                     hint="the base image changed: review the transforms against it, then update vendor.version",
                 )
         return versions
@@ -216,6 +240,11 @@ class Engine:
         ours = isinstance(entry, dict) and sha256(current) == entry.get("patched")
         if ours and isinstance(entry, dict) and entry.get("pristine") == sha256(source):
             return current  # deployed and patched before, from the same source: markers decide
+        if spec.replaces is not None and not ours:
+            # the vendor file a replacement takes over: the deploy's own result says whether the contract holds
+            self.plan.steps.append(Step(spec.id, self.roots[0].label, rel, current.decode("utf-8", "replace"),
+                                        source.decode("utf-8", "replace")))
+            return source
         if ours or spec.overwrite:
             return source  # the deployed source changed (a new pin): start again from it
         raise InputDriftError(
@@ -390,7 +419,8 @@ class Engine:
                 "vendor_version": version,
                 "files": files,
                 "deployed": dict(sorted(owned.get(root.label, {}).items())),
-                "transforms": {t.id: t.digest() for t in self.recipe.transforms},
+                **({"package": self.package} if self.package != self.recipe.vendor.package else {}),
+                "transforms": {t.id: t.digest() for t in self.transforms},
                 # what carries our marker: verify must not take a lost marker for an upstream fix
                 "marked": sorted({r.transform for r in self.plan.results if r.root == root.label and r.state in (
                     State.APPLIED, State.ALREADY_APPLIED) and r.transform in self.source}),
@@ -492,3 +522,22 @@ def _rollback(done: list[tuple[Path, Snapshot]], made_dirs: list[Path]) -> None:
     for folder in reversed(made_dirs):
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
+
+
+def run_packages(engines: list[Engine]) -> Plan:
+    """Plan every package's transforms and merge the plans: one commit writes all of them or nothing."""
+    merged = Plan()
+    order: dict[str, int] = {}
+    for engine in engines:
+        plan = engine.run()
+        order.update(engine.index)
+        merged.results.extend(plan.results)
+        merged.ops.extend(plan.ops)
+        merged.steps.extend(plan.steps)
+        merged.changed_py.extend(plan.changed_py)
+        merged.notes.extend(plan.notes)
+        merged.versions.update({f"{engine.package}@{k}" if engine.package != engine.recipe.vendor.package else k: v
+                                for k, v in plan.versions.items()})
+        merged.pristine.update(plan.pristine)
+    merged.results.sort(key=lambda r: (order[r.transform], r.root))
+    return merged

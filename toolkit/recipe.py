@@ -6,6 +6,7 @@ import hashlib
 import json
 import keyword
 import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -176,6 +177,9 @@ class TransformBase(Strict):
     why: str = Field(min_length=1, description="Provenance: why this change is needed")
     remove_when: str = Field(min_length=1, description="Provenance: when this change can be dropped")
     gate: Gate | None = Field(default=None, description="Conditions that exclude this transform (GATED_OFF)")
+    package: str | None = Field(
+        default=None, description="The package whose roots this transform edits: vendor.package (default) or "
+        "a name declared under packages (e.g. transformers); paths are relative to that package's roots")
 
     # Fields that do not change what the transform does; a change to them must not make markers stale.
     _provenance_fields: typing.ClassVar[frozenset[str]] = frozenset({"why", "remove_when"})
@@ -187,6 +191,8 @@ class TransformBase(Strict):
 
     def digest(self) -> str:
         body = self.model_dump(mode="json", exclude=set(self._provenance_fields))
+        if body.get("package") is None:
+            body.pop("package", None)  # the default package: digests of existing transforms stay as they were
         raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(raw).hexdigest()[:12]
 
@@ -275,6 +281,37 @@ class AddImport(SourceTransform):
         return self
 
 
+def _python_block(value: str) -> str:
+    try:
+        module = cst.parse_module(textwrap.dedent(value).strip("\n") + "\n")
+    except cst.ParserSyntaxError as exc:
+        raise ValueError(f"not Python statements: {exc.message} at line {exc.raw_line}") from None
+    if not module.body:
+        raise ValueError("no statement given")
+    return value
+
+
+PyBlock = Annotated[str, Field(description="Python statements (dedented; compared structurally)"),
+                    AfterValidator(_python_block)]
+
+
+class Statements(SourceTransform):
+    """Replace a run of statements in a scope (`old`), insert after one (`after`), or insert at the scope's top."""
+
+    kind: Literal["statements"]
+    old: PyBlock | None = Field(default=None, description="The consecutive statements to replace")
+    after: PyBlock | None = Field(default=None, description="The statement(s) to insert `new` after")
+    new: PyBlock = Field(description="The statements written instead of `old`, after `after`, or at the top")
+
+    @model_validator(mode="after")
+    def _one_place(self) -> Statements:
+        if self.old is not None and self.after is not None:
+            raise ValueError("give `old` (replace) or `after` (insert after), not both")
+        if self.old is None and self.after is None and not self.scope:
+            raise ValueError("inserting at the top needs a function or class `scope`")
+        return self
+
+
 class ReplaceBody(SourceTransform):
     """Replace a function body with the body of a function in patches/src."""
 
@@ -296,6 +333,9 @@ class ReplaceBody(SourceTransform):
         return value
 
 
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="A full sha256 in hex")]
+
+
 class Deploy(TransformBase):
     """Copy a file or folder from patches/src into a vendor root (relative dest) or the image (absolute dest)."""
 
@@ -303,6 +343,10 @@ class Deploy(TransformBase):
     source: str = Field(description="Path relative to the recipe's patches folder")
     dest: str = Field(description="Relative: inside every vendor root; absolute: inside the image filesystem")
     overwrite: bool = Field(default=False, description="Allow replacing a file that exists with other content")
+    replaces: Sha256 | None = Field(
+        default=None, description="A whole-file replacement as a contract: the sha256 (line endings normalised "
+        "to LF) of the vendor file this deploy replaces. Any other file there is DRIFTED and nothing is written; "
+        "one file only")
 
     @field_validator("source")
     @classmethod
@@ -324,6 +368,14 @@ class Deploy(TransformBase):
     def tree_path(self) -> str:
         return self.source[1:].partition("/")[2] if self.source.startswith("@") else self.source
 
+    @model_validator(mode="after")
+    def _one_replacement(self) -> Deploy:
+        if self.replaces is not None and self.overwrite:
+            raise ValueError("`replaces` already allows the replacement, and only of that file: drop `overwrite`")
+        if self.replaces is not None and self.package is None and self.dest.startswith("/"):
+            raise ValueError("`replaces` contracts a vendor file: dest is relative to the package roots")
+        return self
+
     @field_validator("dest")
     @classmethod
     def _dest(cls, value: str) -> str:
@@ -342,18 +394,24 @@ class Symlink(TransformBase):
     target: str = Field(description="What the link points to; a glob (*, ?) is resolved in the link's folder")
     expect: int = Field(default=1, ge=1, le=1, description="How many files the glob must match")
 
+    @model_validator(mode="after")
+    def _no_package(self) -> Symlink:
+        if self.package is not None:
+            raise ValueError("a symlink is made in the vendor roots or the image filesystem; drop `package`")
+        return self
+
     @property
     def is_glob(self) -> bool:
         return any(ch in self.target for ch in "*?[")
 
 
 Transform = Annotated[
-    SetKwarg | Assign | DictEntries | Dispatch | AddImport | ReplaceBody | Deploy | Symlink,
+    SetKwarg | Assign | DictEntries | Dispatch | AddImport | Statements | ReplaceBody | Deploy | Symlink,
     Field(discriminator="kind"),
 ]
 TRANSFORM_MODELS: dict[str, type[TransformBase]] = {
     typing.get_args(m.model_fields["kind"].annotation)[0]: m
-    for m in (SetKwarg, Assign, DictEntries, Dispatch, AddImport, ReplaceBody, Deploy, Symlink)
+    for m in (SetKwarg, Assign, DictEntries, Dispatch, AddImport, Statements, ReplaceBody, Deploy, Symlink)
 }
 
 ArgValue = str | int | float | bool | list[str] | None
@@ -406,9 +464,45 @@ class Source(Strict):
     name: str = Field(pattern=ID_PATTERN)
     git: str = Field(description="Repository URL")
     commit: str = Field(pattern=r"^[0-9a-f]{40}$", description="The pinned commit")
+    subdir: str | None = Field(default=None, description="The folder of the repository that `@name/path` is "
+                               "relative to (e.g. qwen3_6_scripts)")
     path: str | None = Field(default=None, description="Local checkout (relative to the recipe) to bundle from")
+    digests: str | None = Field(
+        default=None, description="A lock file (relative to the recipe, JSON path -> sha256) of the used files at "
+        "the pinned commit; the in-image step checks a fetched source against it")
+
+    @field_validator("subdir")
+    @classmethod
+    def _subdir(cls, value: str | None) -> str | None:
+        return None if value is None else _relative_path(value.rstrip("/"))
     provides_flags: list[str] = Field(default_factory=list, description="Server flags its CLI module adds")
     provides_tool_parsers: list[str] = Field(default_factory=list)
+
+
+class Package(Strict):
+    """A second package the recipe edits besides the vendor's (e.g. transformers), with roots of its own."""
+
+    name: DottedName = Field(description="The import name, e.g. transformers")
+    version: str = Field(description="Version specifier its roots must satisfy, e.g. ==4.55.3")
+    install: str | None = Field(
+        default=None, description="name==version: the wheel the submission carries and the in-image step installs "
+        "offline when the image holds another version")
+    roots: list[str] = Field(
+        default_factory=list, description="Absolute site-packages folders in the image; empty: found in the image "
+        "with importlib.util.find_spec (without importing it), on a host with --package-root NAME=DIR")
+    reference: str | None = Field(
+        default=None, description="The release (name==version) the build tries the transforms on; default: install")
+
+    _spec = field_validator("version")(Vendor._spec.__func__)  # type: ignore[attr-defined]
+
+    @field_validator("install", "reference")
+    @classmethod
+    def _pinned(cls, value: str | None) -> str | None:
+        return None if value is None else Vendor._pinned.__func__(cls, value)  # type: ignore[attr-defined]
+
+    @property
+    def trial_release(self) -> str | None:
+        return self.reference or self.install
 
 
 class Overrides(Strict):
@@ -441,6 +535,8 @@ class Recipe(Strict):
     checks: Checks = Field(default_factory=Checks)
     model: ModelShape | None = Field(default=None, description="Model shape, for the KV-cache estimate")
     sources: list[Source] = Field(default_factory=list, description="Pinned upstream sources")
+    packages: list[Package] = Field(default_factory=list,
+                                    description="Packages besides the vendor's that transforms edit")
     variants: dict[str, Overrides] = Field(default_factory=dict, description="Named experiment variants")
     matrix: Matrix | None = Field(default=None, description="Variants expanded as the product of these values")
 
@@ -461,6 +557,26 @@ class Recipe(Strict):
                 raise ValueError(f"transform {t.id} deploys from @{tree}, which is not declared under sources "
                                  f"(declared: {', '.join(sorted(names)) or 'none'})")
         return self
+
+    @model_validator(mode="after")
+    def _known_packages(self) -> Recipe:
+        names = {p.name for p in self.packages}
+        if self.vendor.package in names:
+            raise ValueError(f"packages lists the vendor package {self.vendor.package}; it is declared by vendor")
+        for t in self.transforms:
+            if t.package is not None and t.package not in names | {self.vendor.package}:
+                raise ValueError(f"transform {t.id} edits package {t.package!r}, which is not declared under "
+                                 f"packages (declared: {', '.join(sorted(names)) or 'none'})")
+        return self
+
+    def package_of(self, transform: TransformBase) -> str:
+        return transform.package or self.vendor.package
+
+    def for_package(self, name: str) -> list[TransformBase]:
+        return [t for t in self.transforms if self.package_of(t) == name]
+
+    def package(self, name: str) -> Package | None:
+        return next((p for p in self.packages if p.name == name), None)
 
     @field_validator("env")
     @classmethod

@@ -13,7 +13,7 @@ from toolkit.engine import STATE_FILE, Engine, TextFile, gated_off, read_state
 from toolkit.markers import read_markers
 from toolkit.recipe import LoadedRecipe, SourceTransform
 from toolkit.results import Finding, Report, Result, State
-from toolkit.sources import Root, vendor_version
+from toolkit.sources import Root, version_with_source
 from toolkit.transforms.base import Probe, decide
 
 NOT_APPLIED = "not applied: the pre-state is still there (run `toolkit apply`)"
@@ -79,24 +79,26 @@ def _lf_findings(label: str, base: Path, files: list[Path], check: str) -> list[
 
 
 def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
-                trees: dict[str, Path] | None = None) -> Report:
-    engine = Engine(loaded, roots, rootfs, check_version=False, trees=trees)
+                trees: dict[str, Path] | None = None, package: str | None = None) -> Report:
+    engine = Engine(loaded, roots, rootfs, check_version=False, trees=trees, package=package)
     recipe = loaded.recipe
+    package = engine.package
     results: list[Result] = []
     findings: list[Finding] = []
     notes: list[str] = []
     cache: dict[tuple[str, str], Parsed | Exception] = {}
-    versions = {root.label: vendor_version(root.path, recipe.vendor.package) for root in roots}
+    found = {root.label: version_with_source(root.path, package) for root in roots}
+    versions = {label: v for label, (v, _) in found.items()}
     for root in roots:
-        version = versions[root.label]
-        notes.append(f"{root.label}: {recipe.vendor.package} {version}")
+        version, where = found[root.label]
+        notes.append(f"{root.label}: {package} {version} (read from {where})")
         try:
-            ok_version = version is not None and Version(version) in SpecifierSet(recipe.vendor.version)
+            ok_version = version is not None and Version(version) in SpecifierSet(engine.version_spec)
         except InvalidVersion:
             ok_version = False
         if not ok_version:
-            findings.append(Finding("vendor-version", root.label, f"{recipe.vendor.package}-*.dist-info",
-                                    f"version {version} does not satisfy vendor.version {recipe.vendor.version}"))
+            findings.append(Finding("vendor-version", root.label, where,
+                                    f"{package} version {version} does not satisfy {engine.version_spec}"))
         r, f = _verify_sources(engine, root, version, cache)
         results.extend(r)
         findings.extend(f)
@@ -104,7 +106,7 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
             findings.extend(_lf_findings(root.label, root.path, sorted(root.path.glob(pattern)), "line-endings"))
     # deploys and links: planning them with nothing left to do is exactly "in place"
     version = versions[roots[0].label]
-    for spec in recipe.transforms:
+    for spec in engine.transforms:
         if isinstance(spec, SourceTransform):
             continue
         kind = engine.files[spec.id]

@@ -14,6 +14,7 @@ from toolkit.transforms.dict_entries import DictEntriesKind
 from toolkit.transforms.dispatch import DispatchKind
 from toolkit.transforms.replace_body import ReplaceBodyKind
 from toolkit.transforms.set_kwarg import SetKwargKind
+from toolkit.transforms.statements import StatementsKind
 from toolkit.transforms.symlink import SymlinkKind
 
 SOURCE_KINDS: dict[str, Callable[[Any, Context], SourceKind]] = {
@@ -23,6 +24,7 @@ SOURCE_KINDS: dict[str, Callable[[Any, Context], SourceKind]] = {
     "dispatch": DispatchKind,
     "add-import": AddImportKind,
     "replace-body": ReplaceBodyKind,
+    "statements": StatementsKind,
 }
 
 FileKind = DeployKind | SymlinkKind

@@ -30,6 +30,20 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def is_binary(data: bytes) -> bool:
+    return b"\0" in data[:8192]
+
+
+def as_deployed(data: bytes) -> bytes:
+    """Text is deployed LF whatever the source repository stores (the adapter mixes CRLF and LF)."""
+    return data if is_binary(data) else data.replace(b"\r\n", b"\n")
+
+
+def lf_digest(data: bytes) -> str:
+    """The digest a replacement contract compares: line endings normalised to LF, as the lock records them."""
+    return sha256(data.replace(b"\r\n", b"\n"))
+
+
 class DeployKind:
     def __init__(self, spec: Deploy, ctx: Context) -> None:
         self.spec = spec
@@ -50,6 +64,10 @@ class DeployKind:
         self.files = source_files(self.source)
         if not self.files:
             raise ToolkitError(f"transform {spec.id}: deploy source {self.source} holds no files")
+        if spec.replaces is not None and list(self.files) != [""]:
+            raise ToolkitError(f"transform {spec.id}: `replaces` contracts one file, but {self.source} is a folder",
+                               hint="one deploy per replaced vendor file")
+        self.check_replaced = True  # False only where the vendor files are stand-ins (the engine's trial mode)
 
     @property
     def rootfs_level(self) -> bool:
@@ -66,7 +84,20 @@ class DeployKind:
 
     def contents(self, base: Path) -> dict[str, bytes]:
         """Root-relative destination -> the bytes deployed there."""
-        return {rel: src.read_bytes() for rel, (_, src) in self.targets(base).items()}
+        return {rel: as_deployed(src.read_bytes()) for rel, (_, src) in self.targets(base).items()}
+
+    def contract(self, rel: str, current: bytes | None, owned: dict[str, str], deployed: bytes) -> str | None:
+        """Why replacing what is at `rel` would break the replacement contract, or None when it holds."""
+        expected = self.spec.replaces
+        if expected is None or not self.check_replaced:
+            return None
+        if current is None:
+            return f"{rel}: the vendor file this deploy replaces is missing (expected sha256 {expected[:12]})"
+        if current == deployed or owned.get(rel) == sha256(current) or lf_digest(current) == expected:
+            return None
+        return (f"{rel}: the vendor file changed (sha256 {lf_digest(current)[:12]}, LF-normalised; the replacement "
+                f"was made from {expected[:12]}): replacing it would silently drop the vendor's change; compare "
+                "them (toolkit diff), carry the change over, then update `replaces`")
 
     def plan(self, base: Path, owned: dict[str, str], patched: frozenset[str] = frozenset()) -> FilePlan:
         """patched: destinations that source transforms edit; the engine writes those, patched, itself."""
@@ -75,10 +106,16 @@ class DeployKind:
         placed: list[tuple[str, str]] = []
         first_time = 0  # files the engine writes, patched, because transforms edit them
         for rel, (target, src) in self.targets(base).items():
+            if self.spec.replaces is not None:
+                current = target.read_bytes() if target.is_file() and not target.is_symlink() else None
+                broken = self.contract(rel, current, owned, as_deployed(src.read_bytes()))
+                if broken:
+                    conflicts.append(broken)
+                    continue
             if rel in patched:
                 first_time += not target.exists()
                 continue
-            data = src.read_bytes()
+            data = as_deployed(src.read_bytes())
             placed.append((rel, sha256(data)))
             mode = 0o755 if src.stat().st_mode & 0o111 else 0o644
             if target.is_symlink() or (target.exists() and not target.is_file()):
@@ -89,15 +126,13 @@ class DeployKind:
                 if current == data:
                     continue
                 ours = owned.get(rel) == sha256(current)
-                if not (ours or self.spec.overwrite):
+                if not (ours or self.spec.overwrite or self.spec.replaces):
                     conflicts.append(f"{rel} exists with other content (sha256 {sha256(current)[:12]})")
                     continue
             ops.append(FileOp(target, content=data, mode=mode))
         if conflicts:
-            return FilePlan(
-                State.DRIFTED,
-                "; ".join(conflicts) + ": set `overwrite: true` if replacing the vendor file is intended",
-            )
+            hint = "" if self.spec.replaces else ": set `overwrite: true` if replacing the vendor file is intended"
+            return FilePlan(State.DRIFTED, "; ".join(conflicts) + hint)
         mine = [rel for rel in self.targets(base) if rel in patched]
         note = f" (+{len(mine)} written patched by transforms)" if mine else ""
         if not ops and not first_time:

@@ -1,4 +1,8 @@
-"""dict-entries: insert string-keyed entries into a dict literal bound to a name."""
+"""dict-entries: insert string-keyed entries into a mapping literal bound to a name.
+
+The literal is a dict display, or a call over a list of (key, value) pairs, as transformers writes its auto
+mappings (`OrderedDict[str, str]([("qwen3", "Qwen3Config"), ...])`).
+"""
 
 from __future__ import annotations
 
@@ -11,15 +15,43 @@ from toolkit.recipe import DictEntries
 from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_statements
 
+Container = cst.Dict | cst.List
 
-def _key(element: cst.BaseDictElement) -> str | None:
-    if not isinstance(element, cst.DictElement):
+
+def _pair(element: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+    if isinstance(element, cst.DictElement):
+        return element.key, element.value
+    if isinstance(element, cst.Element) and isinstance(element.value, cst.Tuple) and len(element.value.elements) == 2:
+        first, second = element.value.elements
+        return first.value, second.value
+    return None
+
+
+def _key(element: cst.CSTNode) -> str | None:
+    pair = _pair(element)
+    if pair is None:
         return None
     try:
-        value = ast.literal_eval(code_of(element.key).strip())
+        value = ast.literal_eval(code_of(pair[0]).strip())
     except (ValueError, SyntaxError):
         return None
     return value if isinstance(value, str) else None
+
+
+def _value(element: cst.CSTNode) -> cst.BaseExpression | None:
+    pair = _pair(element)
+    return pair[1] if pair else None
+
+
+def _container(value: cst.BaseExpression | None) -> Container | None:
+    """The dict display, or the list of pairs a mapping call is made from."""
+    if isinstance(value, cst.Dict):
+        return value
+    if isinstance(value, cst.Call) and len(value.args) == 1 and value.args[0].keyword is None:
+        items = value.args[0].value
+        if isinstance(items, cst.List) and all(_pair(e) is not None for e in items.elements):
+            return items
+    return None
 
 
 class DictEntriesKind:
@@ -30,34 +62,38 @@ class DictEntriesKind:
         where = f" after {self.spec.after!r}" if self.spec.after else ""
         return f"dict literal `{self.spec.name}` without keys {sorted(self.spec.entries)}{where}"
 
-    def _dicts(self, scope: cst.CSTNode) -> list[cst.Dict]:
+    def _dicts(self, scope: cst.CSTNode) -> list[Container]:
         return [d for d, _ in self._sites(scope)]
 
-    def _sites(self, scope: cst.CSTNode) -> list[tuple[cst.Dict, list[cst.CSTNode]]]:
+    def _sites(self, scope: cst.CSTNode) -> list[tuple[Container, list[cst.CSTNode]]]:
         found = []
         for node, path in walk_statements(scope):
-            if isinstance(node, cst.Assign) and isinstance(node.value, cst.Dict):
+            if isinstance(node, cst.Assign):
                 names = [t.target for t in node.targets]
-            elif isinstance(node, cst.AnnAssign) and isinstance(node.value, cst.Dict):
+            elif isinstance(node, cst.AnnAssign):
                 names = [node.target]
             else:
                 continue
+            container = _container(node.value)
+            if container is None:
+                continue
             if any(isinstance(n, cst.Name) and n.value == self.spec.name for n in names):
-                found.append((node.value, [*path, node]))
+                extra: list[cst.CSTNode] = [node.value, node.value.args[0]] if isinstance(node.value, cst.Call) else []
+                found.append((container, [*path, node, *extra]))
         return found
 
-    def _classify(self, d: cst.Dict) -> tuple[bool, bool, str]:
+    def _classify(self, d: Container) -> tuple[bool, bool, str]:
         present = {k: e for e in d.elements if (k := _key(e)) is not None}
         ours = {k: present[k] for k in self.spec.entries if k in present}
-        matching = [k for k, e in ours.items() if isinstance(e, cst.DictElement)
-                    and same_expr(e.value, self.spec.entries[k])]
+        matching = [k for k, e in ours.items() if (v := _value(e)) is not None
+                    and same_expr(v, self.spec.entries[k])]
         anchor_ok = self.spec.after is None or self.spec.after in present
         is_pre = not ours and anchor_ok
         is_post = len(matching) == len(self.spec.entries)
         notes = [f"{len(present)} keys"]
         if ours:
             notes.append("has " + ", ".join(
-                f"{k!r}: {code_of(e.value).strip()}" for k, e in ours.items() if isinstance(e, cst.DictElement)))
+                f"{k!r}: {code_of(v).strip()}" for k, e in ours.items() if (v := _value(e)) is not None))
         if not anchor_ok:
             notes.append(f"no key {self.spec.after!r} to insert after")
         return is_pre, is_post, "; ".join(notes)
@@ -82,7 +118,7 @@ class DictEntriesKind:
             return Probe(0, 0, found, self._expected())
         return Probe(pre, post, found, self._expected())
 
-    def _insert(self, d: cst.Dict) -> cst.Dict:
+    def _insert(self, d: Container) -> Container:
         elements = list(d.elements)
         keys = [_key(e) for e in elements]
         index = keys.index(self.spec.after) if self.spec.after else len(elements) - 1
@@ -91,8 +127,11 @@ class DictEntriesKind:
         separators = [e.comma for e in elements[:-1] if isinstance(e.comma, cst.Comma)]
         sep = separators[min(index, len(separators) - 1)] if separators else cst.Comma(
             whitespace_after=cst.SimpleWhitespace(" "))
-        new = [
+        new: list[cst.Element | cst.DictElement] = [
             cst.DictElement(cst.SimpleString(json.dumps(k)), cst.parse_expression(v), comma=sep)
+            if isinstance(d, cst.Dict) else
+            cst.Element(cst.Tuple([cst.Element(cst.SimpleString(json.dumps(k)), comma=cst.Comma(
+                whitespace_after=cst.SimpleWhitespace(" "))), cst.Element(cst.parse_expression(v))]), comma=sep)
             for k, v in self.spec.entries.items()
         ]
         if at_end:
