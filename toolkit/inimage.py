@@ -9,16 +9,21 @@ package is located with importlib.util.find_spec, which does not execute it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from toolkit.engine import Engine, commit
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from toolkit.engine import Engine, commit, run_packages
 from toolkit.errors import ToolkitError
-from toolkit.recipe import LoadedRecipe, SourceTransform, load_recipe
+from toolkit.recipe import LoadedRecipe, Package, SourceTransform, load_recipe
 from toolkit.results import State
-from toolkit.sources import Root
+from toolkit.sources import Root, package_roots, version_with_source
+from toolkit.transforms.deploy import lf_digest
 from toolkit.verify import verify_tree
 
 FIND_SPEC = ("import importlib.util, sys; spec = importlib.util.find_spec(sys.argv[1]); "
@@ -29,12 +34,24 @@ def say(ok: bool, text: str) -> None:
     print(f"[{'ok' if ok else 'FAIL'}] {text}", flush=True)
 
 
-def payload_trees(loaded: LoadedRecipe) -> dict[str, Path]:
-    """Declared sources as the payload holds them: bundled by `toolkit build` or fetched by apply.sh."""
+def payload_trees(loaded: LoadedRecipe) -> dict[str, Path] | None:
+    """Declared sources as the payload holds them (bundled by `toolkit build` or fetched by apply.sh), each file
+    checked against the digests the build recorded (bundled) or the recipe's lock gave (fetched)."""
     folder = loaded.path.parent.parent / "sources"
     trees = {s.name: folder / s.name for s in loaded.recipe.sources if (folder / s.name).is_dir()}
     for name, path in trees.items():
-        print(f"[info] source {name}: {path}", flush=True)
+        lock = folder / f"{name}.digests.json"
+        if not lock.is_file():
+            print(f"[info] source {name}: {path} (no digests recorded: the pinned commit is what was checked)",
+                  flush=True)
+            continue
+        digests = json.loads(lock.read_text(encoding="utf-8"))
+        bad = [rel for rel, digest in sorted(digests.items())
+               if not (path / rel).is_file() or lf_digest((path / rel).read_bytes()) != digest]
+        if bad:
+            say(False, f"source {name}: {len(bad)} file(s) differ from the recorded sha256: {', '.join(bad[:5])}")
+            return None
+        say(True, f"source {name}: {len(digests)} used file(s) match their recorded sha256 (LF-normalised)")
     return trees
 
 
@@ -49,28 +66,95 @@ def existing_roots(loaded: LoadedRecipe, rootfs: Path) -> list[Root]:
     return roots
 
 
-def expected_results(loaded: LoadedRecipe, roots: int) -> int:
-    """One result per transform and root; image-level deploys and links report once."""
-    return sum(1 if not isinstance(t, SourceTransform) and t.target_label.startswith("/") else roots
-               for t in loaded.recipe.transforms)
+def expected_results(loaded: LoadedRecipe, roots: dict[str, int]) -> int:
+    """One result per transform and root of its package; image-level deploys and links report once."""
+    recipe = loaded.recipe
+    return sum(1 if not isinstance(t, SourceTransform) and t.target_label.startswith("/")
+               else roots[recipe.package_of(t)] for t in recipe.transforms)
 
 
-def import_location(package: str, workdir: str) -> str:
-    """Where `import <package>` resolves for the server: its env, its working directory."""
+def locate_package(name: str, workdir: str) -> Path | None:
+    """The site-packages folder the server's Python imports `name` from (found without importing it)."""
+    location = import_location(name, workdir)
+    return Path(location).parent if location else None
+
+
+def install_offline(loaded: LoadedRecipe, package: Package, wheels: Path) -> bool:
+    """Install the package's pinned wheel from the payload, offline and without dependencies."""
+    assert package.install is not None
+    proc = subprocess.run(["python3", "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check",
+                           "--find-links", str(wheels), package.install], capture_output=True, text=True,
+                          env=server_env())
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        say(False, f"package {package.name}: offline install of {package.install} from {wheels} failed: {tail}")
+        return False
+    say(True, f"package {package.name}: installed {package.install} from the submission's wheels (offline)")
+    return True
+
+
+def package_roots_in_image(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str]) -> dict[str, list[Root]] | None:
+    """Each declared package that transforms edit, at the version the recipe needs (installed if it must be)."""
+    recipe = loaded.recipe
+    out: dict[str, list[Root]] = {}
+    for package in recipe.packages:
+        if not recipe.for_package(package.name):
+            continue
+        for attempt in (1, 2):
+            if package.name in given or package.roots:
+                try:
+                    roots = package_roots(recipe, package.name, rootfs, given)
+                except ToolkitError as exc:
+                    say(False, str(exc))
+                    return None
+            elif rootfs == Path("/"):
+                found = locate_package(package.name, recipe.serve.workdir)
+                roots = [] if found is None else [Root(str(found), found)]
+            else:
+                say(False, f"package {package.name}: no roots under --rootfs {rootfs}: pass --package-root "
+                    f"{package.name}=DIR")
+                return None
+            version, where = (version_with_source(roots[0].path, package.name) if roots else
+                              (None, "not importable"))
+            ok = version is not None and Version(version) in SpecifierSet(package.version)
+            if ok:
+                say(True, f"package {package.name} {version} at {roots[0].label} (read from {where}) satisfies "
+                    f"{package.version}")
+                out[package.name] = roots
+                break
+            shown = f"{version} at {roots[0].label}" if roots else "not importable"
+            if attempt == 2 or package.install is None or rootfs != Path("/"):
+                say(False, f"package {package.name}: {shown}, the recipe needs {package.version}"
+                    + ("" if package.install else " (no `install` wheel declared)"))
+                return None
+            print(f"[info] package {package.name}: {shown}; installing {package.install} offline", flush=True)
+            if not install_offline(loaded, package, loaded.path.parent.parent / "packages"):
+                return None
+    return out
+
+
+def server_env() -> dict[str, str]:
+    """The environment the server runs with: its own PYTHONPATH, not the in-image step's."""
     env = dict(os.environ)
     original = env.pop("TOOLKIT_ORIG_PYTHONPATH", None)
     if original is not None:
         env["PYTHONPATH"] = original
         if not original:
             env.pop("PYTHONPATH")
+    return env
+
+
+def import_location(package: str, workdir: str) -> str:
+    """Where `import <package>` resolves for the server: its env, its working directory."""
     os.makedirs(workdir, exist_ok=True)
-    proc = subprocess.run(["python3", "-c", FIND_SPEC, package], capture_output=True, text=True, env=env,
+    proc = subprocess.run(["python3", "-c", FIND_SPEC, package], capture_output=True, text=True, env=server_env(),
                           cwd=workdir)
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
-def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path, trees: dict[str, Path]) -> bool:
-    report = verify_tree(loaded, roots, rootfs, trees)
+def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path, trees: dict[str, Path],
+           package: str | None = None) -> bool:
+    report = verify_tree(loaded, roots, rootfs, trees, package=package)
     for r in report.results:
         if r.state.ok:
             say(True, f"verify {r.transform} {r.root} {r.state.value}")
@@ -83,7 +167,7 @@ def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path, trees: dict[st
     return report.ok
 
 
-def run(recipe_path: str, rootfs: Path, verify_only: bool = False) -> int:
+def run(recipe_path: str, rootfs: Path, verify_only: bool = False, given: dict[str, str] | None = None) -> int:
     loaded = load_recipe(recipe_path)
     recipe = loaded.recipe
     print(f"== toolkit in-image step: recipe {recipe.name}, {len(recipe.transforms)} transform(s)", flush=True)
@@ -92,10 +176,23 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False) -> int:
         say(False, f"no vendor root holds {recipe.vendor.package}/: {', '.join(recipe.vendor.roots)}")
         return 1
     trees = payload_trees(loaded)
+    if trees is None:
+        return 1
+    packages = package_roots_in_image(loaded, rootfs, given or {})
+    if packages is None:
+        return 1
+
+    def verify_all() -> bool:
+        results = [verify(loaded, roots, rootfs, trees)]
+        results += [verify(loaded, proots, rootfs, trees, package=name) for name, proots in packages.items()]
+        return all(results)
+
     if verify_only:
-        return 0 if verify(loaded, roots, rootfs, trees) else 1
+        return 0 if verify_all() else 1
     try:
-        plan = Engine(loaded, roots, rootfs, trees=trees).run()
+        engines = [Engine(loaded, roots, rootfs, trees=trees)]
+        engines += [Engine(loaded, proots, rootfs, trees=trees, package=name) for name, proots in packages.items()]
+        plan = run_packages(engines)
     except ToolkitError as exc:
         say(False, f"input: {exc}")
         return 1
@@ -105,7 +202,8 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False) -> int:
             say(False, f"{line}: {' '.join(r.message.split())} ({loaded.path.name}:{r.recipe_line})")
         else:
             say(True, f"{line} {r.state.value}")
-    expected = expected_results(loaded, len(roots))
+    counts = {recipe.vendor.package: len(roots), **{name: len(p) for name, p in packages.items()}}
+    expected = expected_results(loaded, counts)
     if len(plan.results) != expected:
         say(False, f"{len(plan.results)} result(s) for {expected} expected transform x root pair(s)")
         return 1
@@ -115,7 +213,7 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False) -> int:
         return 1
     commit(plan.ops)
     print(f"== applied: {len(plan.ops)} path(s) written, stale bytecode of changed modules removed", flush=True)
-    if not verify(loaded, roots, rootfs, trees):
+    if not verify_all():
         print("== summary: FAILED verification after apply", flush=True)
         return 1
     if rootfs == Path("/"):
@@ -140,9 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", help="the resolved recipe in the payload")
     parser.add_argument("--rootfs", default="/", type=Path, help="the image filesystem (default /)")
     parser.add_argument("--verify-only", action="store_true", help="check an image that was already patched")
+    parser.add_argument("--package-root", action="append", default=[], metavar="NAME=DIR",
+                        help="where a declared package is under --rootfs (default: found with find_spec in /)")
     args = parser.parse_args(argv)
+    given = dict(item.split("=", 1) for item in args.package_root if "=" in item)
     try:
-        return run(args.recipe, args.rootfs, args.verify_only)
+        return run(args.recipe, args.rootfs, args.verify_only, given)
     except ToolkitError as exc:
         say(False, str(exc))
         return 1

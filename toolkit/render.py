@@ -77,7 +77,7 @@ def render(recipe: Recipe, recipe_file: str, variant: str | None, fetched: list[
         "base_image": recipe.base_image.reference, "workdir": recipe.serve.workdir,
         "env": sorted(recipe.env.items()), "argv": argv(recipe), "concurrency": recipe.serve.concurrency,
         "payload_name": PAYLOAD, "payload_dir": IMAGE_PAYLOAD,
-        "fetched": [{"name": s.name, "git": s.git, "commit": s.commit} for s in fetched or []],
+        "fetched": [{"name": s.name, "git": s.git, "commit": s.commit, "subdir": s.subdir} for s in fetched or []],
     }
     return Rendered(
         dockerfile=env.get_template("Dockerfile.j2").render(context),

@@ -233,7 +233,7 @@ def export_source(source: Source, checkout: Path, commit: str, paths: list[str])
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_bytes(data)
                 os.chmod(out, 0o755 if blob.mode & 0o111 else 0o644)
-                digests[path] = hashlib.sha256(data).hexdigest()
+                digests[path] = hashlib.sha256(data.replace(b"\r\n", b"\n")).hexdigest()  # as the lock records
         info = {"name": source.name, "git": source.git, "commit": commit, "subdir": source.subdir,
                 "files": dict(sorted(digests.items()))}
         (tree / SOURCE_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")

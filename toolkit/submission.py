@@ -18,9 +18,9 @@ from toolkit.lint import lint
 from toolkit.recipe import Deploy, LoadedRecipe, Recipe, ReplaceBody, Source
 from toolkit.render import PAYLOAD, render
 from toolkit.results import Issue, Severity
-from toolkit.sources import COMPLETE
+from toolkit.sources import COMPLETE, SOURCE_INFO, source_info
 from toolkit.variants import BASE, Variant, expand
-from toolkit.wheels import fetch_wheels
+from toolkit.wheels import fetch_wheel, fetch_wheels
 
 MANIFEST = "MANIFEST.json"
 PACKAGE = Path(__file__).resolve().parent
@@ -113,11 +113,30 @@ def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target
         _write(payload / rel, data if b"\0" in data[:8192] else data.replace(b"\r\n", b"\n"),
                executable=bool(path.stat().st_mode & 0o111))
     for source in used_sources(recipe):
-        if source.name in trees:  # bundled: the pinned commit, exported from the local checkout
+        digests: object = None
+        if source.name in trees:  # bundled: the used files of the pinned commit, read from the local clone
             tree = trees[source.name]
-            for path in sorted(p for p in tree.rglob("*") if p.is_file() and p.name != COMPLETE):
-                _write(payload / "sources" / source.name / path.relative_to(tree), path.read_bytes(),
+            for path in sorted(p for p in tree.rglob("*") if p.is_file() and p.name not in (COMPLETE, SOURCE_INFO)):
+                data = path.read_bytes()
+                # text goes LF, as the platform's clone (after .gitattributes) and the deploy will have it anyway
+                _write(payload / "sources" / source.name / path.relative_to(tree),
+                       data if b"\0" in data[:8192] else data.replace(b"\r\n", b"\n"),
                        executable=bool(path.stat().st_mode & 0o111))
+            digests = source_info(tree)["files"]
+        elif source.digests:  # fetched: the lock the recipe keeps for it, checked by the in-image step
+            lock = loaded.path.parent / source.digests
+            try:
+                digests = json.loads(lock.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as exc:
+                raise ToolkitError(f"source {source.name}: digests lock {lock} is unreadable ({exc})",
+                                   hint="a JSON object: path (under subdir) -> sha256 of the LF text") from None
+        if digests is not None:
+            _write(payload / "sources" / f"{source.name}.digests.json",
+                   (json.dumps(digests, indent=2, sort_keys=True) + "\n").encode())
+    for package in recipe.packages:
+        if package.install and recipe.for_package(package.name):
+            wheel = fetch_wheel(package.install, recipe.base_image.python, recipe.base_image.platform)
+            _write(payload / "packages" / wheel.name, wheel.read_bytes())
     for wheel in fetch_wheels(recipe.base_image.python, recipe.base_image.platform):
         _write(payload / "wheels" / wheel.name, wheel.read_bytes())
     manifest = {p.relative_to(payload).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()

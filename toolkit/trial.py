@@ -16,10 +16,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from toolkit.engine import Engine
+from toolkit.engine import Engine, run_packages
 from toolkit.recipe import Deploy, LoadedRecipe, Recipe, SourceTransform
 from toolkit.results import Result, State
-from toolkit.sources import cache_dir, cached_tree, fetch_reference, rootfs_roots
+from toolkit.sources import cache_dir, cached_tree, fetch_reference, package_roots, reference_root, rootfs_roots
 from toolkit.testing import VENDOR_EDITS, make_rootfs
 
 PLAIN = "plain"  # marks a cached tree where the documented vendor edits did not apply to the release
@@ -93,10 +93,28 @@ def try_recipe(loaded: LoadedRecipe, trees: dict[str, Path], rootfs: Path | None
         where = (f"a CoreX-like tree of {recipe.vendor.reference}" if corex_like
                  else f"the plain {recipe.vendor.reference} (the documented CoreX edits do not apply to it)")
         exact = False
-    # off the real image the version is the reference's, so vendor.version is not checked there
-    engine = Engine(loaded, rootfs_roots(recipe, base), base, check_version=exact, trees=trees,
-                    skip=frozenset(untried))
-    plan = engine.run()
+    # off the real image the version is the reference's, so vendor.version is not checked there; nor are the
+    # replaced vendor files the real image's
+    engines = [Engine(loaded, rootfs_roots(recipe, base), base, check_version=exact, trees=trees,
+                      skip=frozenset(untried), check_replaced=exact)]
+    for package in recipe.packages:
+        if not recipe.for_package(package.name):
+            continue
+        if rootfs is not None and package.roots:
+            roots = package_roots(recipe, package.name, rootfs, {})
+        elif package.trial_release:
+            roots = [reference_root(package.trial_release, recipe.base_image.python, recipe.base_image.platform)]
+        else:
+            for t in recipe.for_package(package.name):
+                untried[t.id] = f"edits package {package.name}, which has no roots here and no release to try on"
+            continue
+        engines.append(Engine(loaded, roots, base, trees=trees, skip=frozenset(untried), package=package.name))
+    plan = run_packages(engines)
+    contracts = [t.id for t in recipe.transforms if isinstance(t, Deploy) and t.replaces and t.id not in untried]
+    if contracts and not exact:
+        notes.append(f"replacement contracts not checked on the reference ({len(contracts)}: {', '.join(contracts)}):"
+                     " its files are not the real image's; the in-image step checks them, and so does "
+                     "`toolkit build --rootfs DIR` on an extracted image")
     superseded = sorted({r.transform for r in plan.results if r.state is State.SUPERSEDED})
     if superseded and not exact:
         notes.append(f"SUPERSEDED on the reference: {', '.join(superseded)}: expected for fixes of vendor-only "

@@ -34,9 +34,16 @@ def platforms(platform: str) -> list[str]:
     return [f"manylinux_2_{v}_{arch}" for v in (28, 17)] + [f"manylinux2014_{arch}", f"manylinux1_{arch}"]
 
 
-def fetch_wheels(python: str, platform: str) -> list[Path]:
-    """One wheel per pinned package for the image's CPython (cached; pip runs only on a miss)."""
-    requirements = pins()
+def fetch_wheel(requirement: str, python: str, platform: str) -> Path:
+    """One pinned wheel (name==version) for the image's CPython, e.g. a package the in-image step installs."""
+    return fetch_wheels(python, platform, [requirement])[0]
+
+
+def fetch_wheels(python: str, platform: str, requirements: list[str] | None = None) -> list[Path]:
+    """One wheel per pinned package for the image's CPython (cached; pip runs only on a miss).
+
+    Default: the in-image step's own dependencies, pinned to this machine's versions."""
+    requirements = pins() if requirements is None else requirements
     folder = cache_dir() / "wheels" / f"cp{python.replace('.', '')}-{platform}"
     folder.mkdir(parents=True, exist_ok=True)
     found: list[Path] = []
