@@ -1,10 +1,20 @@
-"""A small stand-in for the model adapter's qwen3_5.py, with the layout the real one exposes.
+"""A stand-in for the public Qwen3.6 model adapter (`qwen3_6_scripts/` of wudixzy/competition@5a1c8c7).
 
-The real adapter (enginex-vllm-bi100-qwen36) is unreachable from here; this module has the same
-module-level functions, classes and methods the recipes dispatch into, written in the adapter's
-plain style (per-expert loop, token-by-token recurrence), and imports nothing but torch.
-It is written into a git repository by the tests, as the adapter would be checked out.
+The adapter is third-party code and never committed; the tests need one with its layout. This module writes
+one into a git repository: the same file names, folders and destinations (../shared/ADAPTER.md section 1), the
+same function and class names and signatures the recipe edits and dispatches into, and the anchors of each edit.
+Its qwen3_5.py is written in the adapter's plain style (per-expert loop, token-by-token recurrence) and imports
+only torch. Its nine whole-file replacements are derived from the public vLLM 0.6.3.post1 files with the few
+changes listed in REPLACEMENTS; like the real adapter, some files are stored with CRLF line endings.
 """
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import git
 
 SOURCE = '''\
 """Stand-in for the model adapter's qwen3_5.py (test fixture)."""
@@ -86,3 +96,212 @@ class Qwen3_5MoeSparseBlock(torch.nn.Module):
             out.index_add_(0, idx, (act @ self.experts.w2_weight[e].t()) * weights[idx, slot, None])
         return out.to(hidden_states.dtype)
 '''
+
+
+MODEL_CLASSES = '''
+
+class Qwen3_5ForCausalLM(torch.nn.Module):
+    """Dense Qwen3.5/3.6 (stand-in: the registry only needs the class to exist)."""
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """MoE Qwen3.5/3.6: what the served checkpoint's config.json declares."""
+'''
+
+BI100_ENV = '''"""Strict env parsing (stand-in)."""
+import os
+
+_TRUE = ("1", "true", "TRUE", "yes", "on")
+_FALSE = ("0", "false", "FALSE", "no", "off")
+
+
+def env_bool(name, default):
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean")
+
+
+def env_int(name, default, minimum, maximum):
+    value = int(os.environ.get(name, default))
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name}={value} is outside [{minimum}, {maximum}]")
+    return value
+'''
+
+BI100_PROFILE = '''"""BI100_PROFILE timers (stand-in)."""
+import contextlib
+import os
+import time
+
+
+@contextlib.contextmanager
+def bi100_timer(name):
+    if os.environ.get("BI100_PROFILE") != "1":
+        yield
+        return
+    start = time.perf_counter()
+    yield
+    print(f"[BI100_PROFILE] {name} {(time.perf_counter() - start) * 1e3:.3f} ms")
+'''
+
+TOOL_PARSER = '''"""qwen3_coder tool parser (stand-in: registers under the adapter's name)."""
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, ToolParserManager
+
+
+@ToolParserManager.register_module("qwen3_coder")
+class Qwen3CoderToolParser(ToolParser):
+    pass
+'''
+
+REASONING = {
+    "__init__.py": '''from vllm.reasoning.abs_reasoning_parsers import ReasoningParser, ReasoningParserManager
+
+ReasoningParserManager.register_lazy("qwen3", "vllm.reasoning.qwen3_reasoning_parser", "Qwen3ReasoningParser")
+
+__all__ = ["ReasoningParser", "ReasoningParserManager"]
+''',
+    "abs_reasoning_parsers.py": '''import importlib
+
+
+class ReasoningParser:
+    def __init__(self, tokenizer, **kwargs):
+        self.model_tokenizer = tokenizer
+
+
+class ReasoningParserManager:
+    _parsers = {}
+    _lazy = {}
+
+    @classmethod
+    def register_module(cls, name):
+        def register(parser):
+            cls._parsers[name] = parser
+            return parser
+        return register
+
+    @classmethod
+    def register_lazy(cls, name, module, class_name):
+        cls._lazy[name] = (module, class_name)
+
+    @classmethod
+    def get_reasoning_parser(cls, name):
+        if name not in cls._parsers and name in cls._lazy:
+            module, class_name = cls._lazy[name]
+            cls._parsers[name] = getattr(importlib.import_module(module), class_name)
+        return cls._parsers[name]
+
+    @classmethod
+    def list_registered(cls):
+        return sorted(set(cls._parsers) | set(cls._lazy))
+''',
+    "qwen3_reasoning_parser.py": '''from vllm.reasoning.abs_reasoning_parsers import (ReasoningParser,
+                                                  ReasoningParserManager)
+
+
+@ReasoningParserManager.register_module("qwen3")
+class Qwen3ReasoningParser(ReasoningParser):
+    start_token, end_token = "<think>", "</think>"
+''',
+}
+
+
+def _config(module: str, cls: str, model_type: str) -> dict[str, str]:
+    return {
+        "__init__.py": f"from .configuration_{module} import *\n",
+        f"configuration_{module}.py": (
+            "from transformers.configuration_utils import PretrainedConfig\n\n\n"
+            f"class {cls}(PretrainedConfig):\n    model_type = {model_type!r}\n\n\n__all__ = [{cls!r}]\n"),
+    }
+
+
+CONFIGS = {"qwen3_5": _config("qwen3_5", "Qwen3_5Config", "qwen3_5"),
+           "qwen3_5_moe": _config("qwen3_5_moe", "Qwen3_5MoeConfig", "qwen3_5_moe")}
+
+# adapter file -> (vendor file it replaces, what the stand-in changes in the public file)
+REPLACEMENTS = {
+    "paged_attn.py": ("vllm/attention/ops/paged_attn.py", "the V1/V2 choice moved into a function that forces V1"),
+    "mamba_cache.py": ("vllm/model_executor/models/mamba_cache.py", "a comment"),
+    "sequence.py": ("vllm/sequence.py", "a comment"),
+    "scheduler.py": ("vllm/core/scheduler.py", "a comment"),
+    "protocol.py": ("vllm/entrypoints/openai/protocol.py", "a comment; CRLF line endings"),
+    "cli_args.py": ("vllm/entrypoints/openai/cli_args.py", "--reasoning-parser after --tool-parser-plugin"),
+    "serving_chat.py": ("vllm/entrypoints/openai/serving_chat.py", "a comment"),
+    "api_server.py": ("vllm/entrypoints/openai/api_server.py", "a comment"),
+    "chat_utils.py": ("vllm/entrypoints/chat_utils.py", "a comment"),
+}
+CRLF = {"protocol.py", "bi100_env.py"}
+
+V1_CHOICE = re.compile(r"use_v1 = \(max_seq_len <= 8192\n\s+"
+                       r"and \(max_num_partitions == 1 or num_seqs \* num_heads > 512\)\)")
+V1_FUNCTION = '''    @staticmethod
+    def _should_use_paged_attention_v1(max_seq_len, max_num_partitions, num_seqs, num_heads):
+        # stand-in: the adapter keeps the vendor's forced V1 here
+        return True
+
+    @staticmethod
+    def forward_decode('''
+REASONING_FLAG = '''    parser.add_argument(
+        "--reasoning-parser",
+        type=str,
+        default=None,
+        help="The reasoning parser (stand-in adapter).")
+    parser.add_argument(
+        "--tool-parser-plugin",'''
+
+
+def replacement(name: str, vendor_text: str) -> str:
+    if name == "paged_attn.py":
+        text, n = V1_CHOICE.subn("use_v1 = PagedAttention._should_use_paged_attention_v1(\n"
+                                 "            max_seq_len, max_num_partitions, num_seqs, num_heads)", vendor_text)
+        text = text.replace("    @staticmethod\n    def forward_decode(", V1_FUNCTION, 1)
+        assert n == 1 and V1_FUNCTION in text, "the public paged_attn.py changed"
+        return text
+    if name == "cli_args.py":
+        anchor = '    parser.add_argument(\n        "--tool-parser-plugin",'
+        assert anchor in vendor_text, "the public cli_args.py changed"
+        return vendor_text.replace(anchor, REASONING_FLAG, 1)
+    return vendor_text + f"\n# stand-in adapter: replacement of the vendor's {name}\n"
+
+
+def lay_out(folder: Path, vllm_reference: Path) -> None:
+    """The adapter folder (qwen3_6_scripts/) with every file the flagship recipe uses, and some it does not."""
+    files: dict[str, str] = {
+        "qwen3_5.py": SOURCE + MODEL_CLASSES,
+        "bi100_env.py": BI100_ENV,
+        "bi100_profile.py": BI100_PROFILE,
+        "qwen3coder_tool_parser.py": TOOL_PARSER,
+        "patch_ops.sh": "# the adapter's own script: not used by the recipe\nexit 1\n",
+        **{f"reasoning/{k}": v for k, v in REASONING.items()},
+        **{f"{pkg}/{k}": v for pkg, items in CONFIGS.items() for k, v in items.items()},
+    }
+    for name, (vendor, _) in REPLACEMENTS.items():
+        files[name] = replacement(name, (vllm_reference / vendor).read_text(encoding="utf-8"))
+    for rel, text in files.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = text.encode()
+        path.write_bytes(data.replace(b"\n", b"\r\n") if rel in CRLF else data)
+    wheels = folder / "wheels"
+    wheels.mkdir(exist_ok=True)
+    # the snapshot carries a large wheel the recipe never uses: bundling must leave it out
+    (wheels / "transformers-4.55.3-py3-none-any.whl").write_bytes(os.urandom(1 << 20))
+
+
+def make_repo(work: Path, vllm_reference: Path, subdir: str = "qwen3_6_scripts") -> tuple[Path, str]:
+    """A bare clone holding the stand-in adapter (a work tree is never needed); returns (clone, commit)."""
+    source = work / "adapter-work"
+    repo = git.Repo.init(source)
+    lay_out(source / subdir, vllm_reference)
+    (source / "README.md").write_text("stand-in adapter\n")
+    repo.git.add("--all")
+    actor = git.Actor("t", "t@t")
+    commit = repo.index.commit("stand-in adapter", author=actor, committer=actor).hexsha
+    (source / subdir / "qwen3_5.py").write_text("raise RuntimeError('uncommitted edit')\n")  # must never leak
+    bare = work / "adapter.git"
+    git.Repo.clone_from(str(source), str(bare), bare=True)
+    return bare, commit

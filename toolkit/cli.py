@@ -70,6 +70,10 @@ SOURCE_HELP = ("a local clone of a declared source (bare or --no-checkout works:
                "pinned commit, only those the recipe uses); @COMMIT overrides the pin for this run")
 
 
+EXPECT_HELP = ("a JSON lock (replaced file -> sha256, LF-normalised) whose digests replace the recipe's `replaces` "
+               "for this run: for trees that are not the real image, such as a test fixture")
+
+
 @dataclasses.dataclass
 class Progress:
     """What the running verb has done that an interrupt cannot undo, so that the message tells the truth."""
@@ -99,6 +103,16 @@ def _trees(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[LoadedRecipe
     if moved:
         sources = [s.model_copy(update={"commit": moved.get(s.name, s.commit)}) for s in loaded.recipe.sources]
         loaded = dataclasses.replace(loaded, recipe=loaded.recipe.model_copy(update={"sources": sources}))
+    if getattr(args, "expect", None):
+        lock = _read_json(args.expect, "an expectations lock", "a JSON object: replaced file (dest) -> sha256 of its "
+                          "LF-normalised content, e.g. taken from a test fixture")
+        try:
+            loaded = dataclasses.replace(loaded, recipe=loaded.recipe.with_expectations(
+                {str(k): str(v) for k, v in lock.items()}))
+        except ValueError as exc:
+            raise ToolkitError(f"--expect {args.expect}: {exc}") from None
+        print(f"replacement expectations from {args.expect}, not the recipe: {len(lock)} file(s); the real image's "
+              "files are only checked without --expect", file=sys.stderr)
     return loaded, trees
 
 
@@ -149,19 +163,22 @@ def _engines(loaded: LoadedRecipe, args: argparse.Namespace, trees: dict[str, Pa
     return engines, roots
 
 
-def _read_lock(path: str | None) -> dict[str, object] | None:
-    if path is None:
-        return None
+def _read_json(path: str, what: str, hint: str) -> dict[str, object]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ToolkitError(f"lock file {path} not found",
-                           hint="create it with `toolkit apply --write-lock FILE`") from None
+        raise ToolkitError(f"{what} {path} not found", hint=hint) from None
     except json.JSONDecodeError as exc:
-        raise ToolkitError(f"{path}:{exc.lineno}: lock file is not JSON ({exc.msg})") from None
+        raise ToolkitError(f"{path}:{exc.lineno}: {what} is not JSON ({exc.msg})", hint=hint) from None
     if not isinstance(data, dict):
-        raise ToolkitError(f"{path}: a lock is a JSON object")
+        raise ToolkitError(f"{path}: {what} is a JSON object", hint=hint)
     return data
+
+
+def _read_lock(path: str | None) -> dict[str, object] | None:
+    if path is None:
+        return None
+    return _read_json(path, "lock file", "create it with `toolkit apply --write-lock FILE`")
 
 
 def _exit(report: Report, strict: bool = False) -> int:
@@ -523,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--package-root", action="append", metavar="NAME=DIR",
                        help="the site-packages folder holding a declared package (e.g. transformers) on this "
                        "machine; default: its packages[].roots under --rootfs (with --reference: its release)")
+        p.add_argument("--expect", metavar="LOCK", help=EXPECT_HELP)
         p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     p = sub.add_parser("apply", help="apply every transform to every vendor root (all or nothing)",
@@ -553,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
                    + SOURCE_HELP)
     p.add_argument("--package-root", action="append", metavar="NAME=DIR",
                    help="with --rootfs: the site-packages folder of a declared package there")
+    p.add_argument("--expect", metavar="LOCK", help=EXPECT_HELP + "; the submission then checks these too")
     p.add_argument("--rootfs", metavar="DIR", help="try the transforms on these real vendor roots (a folder laid out "
                    "like the image, e.g. from `toolkit vendor pull`) instead of the CoreX-like reference tree")
     p.add_argument("--force", action="store_true",

@@ -152,6 +152,7 @@ class Engine:
         self.files = {t.id: file_kind(t, self.ctx) for t in active if not isinstance(t, SourceTransform)}
         # files a deploy installs in the roots and source transforms then edit: deployed once, patched
         self.deployed: dict[str, tuple[bytes, Deploy]] = {}
+        self.broken: dict[str, str] = {}  # deployed-and-patched file -> why its replacement contract fails
         targets = {t.file for t in self.source_specs}
         for kind in self.files.values():
             if isinstance(kind, DeployKind):
@@ -242,6 +243,10 @@ class Engine:
             return current  # deployed and patched before, from the same source: markers decide
         if spec.replaces is not None and not ours:
             # the vendor file a replacement takes over: the deploy's own result says whether the contract holds
+            kind = self.files[spec.id]
+            assert isinstance(kind, DeployKind)
+            if (broken := kind.contract(rel, current, {}, source)) is not None:
+                self.broken[rel] = broken
             self.plan.steps.append(Step(spec.id, self.roots[0].label, rel, current.decode("utf-8", "replace"),
                                         source.decode("utf-8", "replace")))
             return source
@@ -338,7 +343,9 @@ class Engine:
     def plan_file_kind(self, kind: FileKind, base: Path, owned: dict[str, str]) -> FilePlan:
         if isinstance(kind, DeployKind) and not kind.rootfs_level:
             # files that source transforms edit are written by the engine, deployed and patched at once
-            return kind.plan(base, owned, frozenset(self.deployed))
+            plan = kind.plan(base, owned, frozenset(self.deployed))
+            broken = [why for rel, why in self.broken.items() if rel in kind.targets(base)]
+            return FilePlan(State.DRIFTED, "; ".join(broken)) if broken else plan
         return kind.plan(base, owned)
 
     def _plan_files(self, version: str | None) -> dict[str, dict[str, str]]:

@@ -569,6 +569,19 @@ class Recipe(Strict):
                                  f"packages (declared: {', '.join(sorted(names)) or 'none'})")
         return self
 
+    def with_expectations(self, expected: dict[str, str]) -> Recipe:
+        """The recipe with the `replaces` digests of its replacement deploys taken from a lock (dest -> sha256)."""
+        contracts = {t.dest: t for t in self.transforms if isinstance(t, Deploy) and t.replaces is not None}
+        unknown = sorted(set(expected) - set(contracts))
+        if unknown:
+            raise ValueError(f"no replacement deploy has dest {', '.join(unknown)} (known: {', '.join(contracts)})")
+        for dest, digest in expected.items():
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ValueError(f"{dest}: not a sha256: {digest!r}")
+        transforms = [t.model_copy(update={"replaces": expected[t.dest]})
+                      if isinstance(t, Deploy) and t.dest in expected else t for t in self.transforms]
+        return self.model_copy(update={"transforms": transforms})
+
     def package_of(self, transform: TransformBase) -> str:
         return transform.package or self.vendor.package
 

@@ -106,7 +106,7 @@ class DeployKind:
         placed: list[tuple[str, str]] = []
         first_time = 0  # files the engine writes, patched, because transforms edit them
         for rel, (target, src) in self.targets(base).items():
-            if self.spec.replaces is not None:
+            if self.spec.replaces is not None and rel not in patched:  # the engine checks the ones it patches
                 current = target.read_bytes() if target.is_file() and not target.is_symlink() else None
                 broken = self.contract(rel, current, owned, as_deployed(src.read_bytes()))
                 if broken:
