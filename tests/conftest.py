@@ -10,13 +10,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from standin_adapter import make_repo
 
 from toolkit.cli import main
+from toolkit.recipe import Deploy, load_recipe
 from toolkit.sources import fetch_reference
 from toolkit.testing import COREX_ROOTS, corexify, make_rootfs
+from toolkit.transforms.deploy import lf_digest
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGSHIP = REPO / "recipes" / "bi100-qwen36.yaml"
+# where the image's transformers lives (the adapter's handoff log); found there with find_spec, not declared
+TRANSFORMERS_SITE = "usr/local/lib/python3.10/site-packages"
+TRANSFORMERS_FILES = ("transformers/__init__.py", "transformers/models/__init__.py",
+                      "transformers/models/auto/configuration_auto.py")
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +41,55 @@ def vllm_085() -> Path:
 @pytest.fixture(scope="session")
 def corex_template(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_rootfs(vllm_063, tmp_path_factory.mktemp("corex-template") / "rootfs")
+
+
+@pytest.fixture(scope="session")
+def transformers_455() -> Path:
+    """transformers 4.55.3, the version the adapter needs and the image holds (fetched once, cached)."""
+    return fetch_reference("transformers==4.55.3")
+
+
+@pytest.fixture(scope="session")
+def standin(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A bare clone of the stand-in model adapter and its commit."""
+    return make_repo(tmp_path_factory.mktemp("standin"), vllm_063)
+
+
+@pytest.fixture(scope="session")
+def fixture_lock(corex_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Replacement expectations taken from the CoreX-like fixture (the flagship's are the real image's)."""
+    root = corex_template / COREX_ROOTS[0].lstrip("/")
+    recipe = load_recipe(FLAGSHIP).recipe
+    lock = {t.dest: lf_digest((root / t.dest).read_bytes()) for t in recipe.transforms
+            if isinstance(t, Deploy) and t.replaces}
+    path = tmp_path_factory.mktemp("lock") / "fixture-expectations.json"
+    path.write_text(json.dumps(lock, indent=2))
+    return path
+
+
+def transformers_site(rootfs: Path, transformers: Path) -> Path:
+    """The files of transformers the flagship edits, with its metadata, where the image keeps it."""
+    site = rootfs / TRANSFORMERS_SITE
+    for rel in TRANSFORMERS_FILES:
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(transformers / rel, site / rel)
+    for meta in transformers.glob("transformers-*.dist-info"):
+        shutil.copytree(meta, site / meta.name, dirs_exist_ok=True)
+    return site
+
+
+@pytest.fixture(scope="session")
+def adapter_args(standin: tuple[Path, str], fixture_lock: Path) -> list[str]:
+    """The stand-in adapter instead of the pinned one, and the fixture's replacement expectations."""
+    clone, commit = standin
+    return ["--source", f"qwen36-adapter={clone}@{commit}", "--expect", str(fixture_lock)]
+
+
+@pytest.fixture
+def flagship_args(adapter_args: list[str], corex_rootfs: Path, transformers_455: Path) -> list[str]:
+    """What the flagship needs on the fixture: the stand-in adapter, the fixture's expectations, transformers."""
+    site = transformers_site(corex_rootfs, transformers_455)
+    return [*adapter_args, "--package-root", f"transformers={site}"]
 
 
 @pytest.fixture

@@ -305,3 +305,16 @@ def make_repo(work: Path, vllm_reference: Path, subdir: str = "qwen3_6_scripts")
     bare = work / "adapter.git"
     git.Repo.clone_from(str(source), str(bare), bare=True)
     return bare, commit
+
+
+def add_commit(bare: Path, rel: str, text: str, message: str, subdir: str = "qwen3_6_scripts") -> str:
+    """A later commit of the stand-in (pushed to the bare clone) with one file changed; returns the commit."""
+    work = bare.parent / "adapter-work"
+    repo = git.Repo(work)
+    repo.git.checkout("--", ".")
+    (work / subdir / rel).write_text(text)
+    repo.git.add("--all")
+    actor = git.Actor("t", "t@t")
+    commit = repo.index.commit(message, author=actor, committer=actor).hexsha
+    repo.git.push(str(bare), "HEAD:refs/heads/later")
+    return commit

@@ -7,7 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FLAGSHIP, roots_of, tree_digest
+from conftest import FLAGSHIP, TRANSFORMERS_SITE, roots_of, tree_digest
+from standin_adapter import add_commit, replacement
 
 from toolkit import engine as engine_mod
 from toolkit.markers import read_markers
@@ -24,8 +25,8 @@ def states(report: dict) -> dict[tuple[str, str], str]:  # type: ignore[type-arg
     return {(r["transform"], r["root"]): r["state"] for r in report["results"]}
 
 
-def test_apply_twice_then_verify(cli, corex_rootfs: Path) -> None:
-    first = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+def test_apply_twice_then_verify(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    first = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert first.code == 0, first.out
     report = first.json()
     assert report["ok"] is True
@@ -38,38 +39,54 @@ def test_apply_twice_then_verify(cli, corex_rootfs: Path) -> None:
     # every source transform ran in both roots
     for r in report["results"]:
         assert set(r) >= {"transform", "root", "file", "state", "message"}
-    assert {root for (_, root) in got} == {*roots, "/"}
+    site = flagship_args[flagship_args.index("--package-root") + 1].partition("=")[2]
+    assert {root for (_, root) in got} == {*roots, "/", site}
 
     snapshot = tree_digest(corex_rootfs)
-    second = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+    second = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert second.code == 0
     assert set(states(second.json()).values()) == {"ALREADY_APPLIED"}
     assert tree_digest(corex_rootfs) == snapshot, "a second apply must not change a byte"
 
-    verified = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+    verified = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert verified.code == 0, verified.out
     assert verified.json()["ok"] is True
     assert verified.json()["findings"] == []
 
 
-def test_patched_files_carry_markers_and_changes(cli, corex_rootfs: Path) -> None:
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs).code == 0
+def test_patched_files_carry_markers_and_changes(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
     for root in roots_of(corex_rootfs):
         arg_utils = (root / "vllm/engine/arg_utils.py").read_text()
         assert "enforce_eager=self.enforce_eager," in arg_utils
         assert "disable_custom_all_reduce=self.disable_custom_all_reduce," in arg_utils
         assert "enforce_eager=True" not in arg_utils
-        assert set(read_markers(arg_utils)) == {"unhardcode-enforce-eager", "unhardcode-custom-all-reduce"}
+        assert set(read_markers(arg_utils)) == {"unhardcode-enforce-eager", "unhardcode-custom-all-reduce",
+                                                "adapter-no-auto-chunked-prefill"}
+        assert "Chunked prefill is enabled by default" not in arg_utils
+        # the adapter's replacement, with the recipe's edits of it in the same write
         paged = (root / "vllm/attention/ops/paged_attn.py").read_text()
-        assert "use_v1 = True" not in paged and "use_v1 = (max_seq_len <= 8192" in paged
+        assert "use_v1 = True" not in paged and "def _should_use_paged_attention_v1(" in paged
+        assert "return max_seq_len <= 8192 and (max_num_partitions == 1 or num_seqs * num_heads > 512)" in paged
         assert 'environ.get("PREFIX_FLASH", "1")' in paged
         assert "from native_fastpaths.prefix_attention import forward_prefix" in paged
         registry = (root / "vllm/model_executor/models/registry.py").read_text()
         qwen3_moe = registry.index('"Qwen3MoeForCausalLM"')
         assert qwen3_moe < registry.index('"Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM")')
-        assert '"Qwen3_6MoeForCausalLM"' in registry
-        protocol = (root / "vllm/entrypoints/openai/protocol.py").read_text()
-        assert 'ConfigDict(extra="ignore")' in protocol
+        assert '"Qwen3_6MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM")' in registry
+        protocol_bytes = (root / "vllm/entrypoints/openai/protocol.py").read_bytes()
+        assert b"\r" not in protocol_bytes, "the adapter stores it CRLF; it is deployed LF"
+        assert b'ConfigDict(extra="ignore")' in protocol_bytes and b"stand-in adapter" in protocol_bytes
+        assert '"--reasoning-parser"' in (root / "vllm/entrypoints/openai/cli_args.py").read_text()
+        model = (root / "vllm/model_executor/models/qwen3_5.py").read_text()
+        assert {"moe-native", "gdn-chunk-parallel", "rmsnorm-native"} <= set(read_markers(model))
+        assert (root / "vllm/reasoning/qwen3_reasoning_parser.py").is_file() and (root / "vllm/bi100_env.py").is_file()
+        parsers = (root / "vllm/entrypoints/openai/tool_parsers/__init__.py").read_text()
+        assert "from .qwen3coder_tool_parser import Qwen3CoderToolParser" in parsers
+        runner = (root / "vllm/worker/model_runner.py").read_text()
+        assert "inter_data.prefix_cache_hit = False" in runner
+        worker = (root / "vllm/worker/worker.py").read_text()
+        assert "skipping worker.profile_run" in worker
         xformers = (root / "vllm/attention/backends/xformers.py").read_text()
         assert "from native_fastpaths.attention import sdpa_varlen_prefill" in xformers
         assert (root / "native_fastpaths/attention.py").is_file()
@@ -77,9 +94,13 @@ def test_patched_files_carry_markers_and_changes(cli, corex_rootfs: Path) -> Non
     link = corex_rootfs / "usr/local/corex/lib64/libcusolver.so"
     assert os.readlink(link) == "libcusolver.so.11"
     assert (corex_rootfs / "opt/toolkit/chat_templates/qwen36_multi_system.jinja").is_file()
+    site = corex_rootfs / TRANSFORMERS_SITE / "transformers"
+    assert '("qwen3_5_moe", "Qwen3_5MoeConfig")' in (site / "models/auto/configuration_auto.py").read_text()
+    assert (site / "models/qwen3_5_moe/configuration_qwen3_5_moe.py").is_file()
+    assert "from .qwen3_5_moe import *" in (site / "models/__init__.py").read_text()
 
 
-def test_stale_bytecode_is_removed(cli, corex_rootfs: Path) -> None:
+def test_stale_bytecode_is_removed(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
     caches = []
     for root in roots_of(corex_rootfs):
         cache = root / "vllm/engine/__pycache__"
@@ -87,14 +108,14 @@ def test_stale_bytecode_is_removed(cli, corex_rootfs: Path) -> None:
         (cache / "arg_utils.cpython-310.pyc").write_bytes(b"stale")
         (cache / "llm_engine.cpython-310.pyc").write_bytes(b"untouched module")
         caches.append(cache)
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs).code == 0
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
     for cache in caches:
         assert not (cache / "arg_utils.cpython-310.pyc").exists()
         assert (cache / "llm_engine.cpython-310.pyc").exists()
 
 
-def test_verify_fails_on_a_pristine_tree(cli, corex_rootfs: Path) -> None:
-    result = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+def test_verify_fails_on_a_pristine_tree(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    result = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert result.code == 1
     report = result.json()
     assert report["ok"] is False
@@ -102,12 +123,12 @@ def test_verify_fails_on_a_pristine_tree(cli, corex_rootfs: Path) -> None:
     assert any("not applied" in r["message"] for r in drifted)
 
 
-def test_verify_names_a_removed_marker(cli, corex_rootfs: Path) -> None:
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs).code == 0
+def test_verify_names_a_removed_marker(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
     target = roots_of(corex_rootfs)[1] / "vllm/engine/arg_utils.py"
     text = target.read_text()
     target.write_text("\n".join(ln for ln in text.splitlines() if "unhardcode-enforce-eager" not in ln) + "\n")
-    result = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+    result = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert result.code == 1
     bad = [r for r in result.json()["results"] if r["state"] == "DRIFTED"]
     assert [(r["transform"], r["root"]) for r in bad] == [
@@ -115,22 +136,22 @@ def test_verify_names_a_removed_marker(cli, corex_rootfs: Path) -> None:
     assert "SUPERSEDED" not in {r["state"] for r in bad}
 
 
-def test_verify_catches_crlf_in_deployed_files(cli, corex_rootfs: Path) -> None:
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs).code == 0
+def test_verify_catches_crlf_in_deployed_files(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
     deployed = roots_of(corex_rootfs)[0] / "native_fastpaths/__init__.py"
     deployed.write_bytes(deployed.read_bytes().replace(b"\n", b"\r\n"))
-    result = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+    result = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert result.code == 1
     checks = {(f["check"], f["file"]) for f in result.json()["findings"]}
     assert ("line-endings", "native_fastpaths/__init__.py") in checks
 
 
-def test_drifted_vendor_file_changes_nothing(cli, corex_rootfs: Path) -> None:
+def test_drifted_vendor_file_changes_nothing(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
     for root in roots_of(corex_rootfs):
         path = root / "vllm/engine/arg_utils.py"
         path.write_text(path.read_text().replace("enforce_eager=True,", "enforce_eager=bool(1),"))
     before = tree_digest(corex_rootfs)
-    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert result.code == 1
     assert tree_digest(corex_rootfs) == before, "a DRIFTED run must leave every root byte-for-byte as it was"
     drifted = [r for r in result.json()["results"] if r["state"] == "DRIFTED"]
@@ -140,81 +161,96 @@ def test_drifted_vendor_file_changes_nothing(cli, corex_rootfs: Path) -> None:
     assert drifted[0]["recipe_line"] == line_of("- id: unhardcode-enforce-eager")
 
 
-@pytest.mark.parametrize("value", ["bool(1)", "not False"])
-def test_a_changed_value_is_drift_not_superseded(cli, corex_rootfs: Path, value: str) -> None:
-    # the vendor still forces V1, spelled differently: the image would build with V1 forced
+def test_a_replaced_vendor_file_that_changed_is_drift(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    # a newer base image changed a file the adapter replaces: replacing it would silently drop the change
     for root in roots_of(corex_rootfs):
         path = root / "vllm/attention/ops/paged_attn.py"
-        text = path.read_text()
-        assert text.count("use_v1 = True") == 1
-        path.write_text(text.replace("use_v1 = True", f"use_v1 = {value}"))
+        path.write_text(path.read_text() + "\n# the vendor fixed something here\n")
     before = tree_digest(corex_rootfs)
-    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert result.code == 1, result.out
-    assert tree_digest(corex_rootfs) == before
-    found = {r["root"]: r for r in result.json()["results"] if r["transform"] == "drop-forced-paged-attn-v1"}
-    assert len(found) == 2 and {r["state"] for r in found.values()} == {"DRIFTED"}
-    assert all(f"use_v1 = {value}" in r["message"] for r in found.values())
+    assert tree_digest(corex_rootfs) == before, "nothing is written"
+    found = [r for r in result.json()["results"] if r["transform"] == "adapter-replace-paged-attn"]
+    assert [r["state"] for r in found] == ["DRIFTED", "DRIFTED"]
+    assert all("the vendor file changed" in r["message"] and "toolkit diff" in r["message"] for r in found)
+    assert found[0]["recipe_line"] == line_of("- id: adapter-replace-paged-attn")
 
 
-def test_upstream_heuristic_alone_is_superseded(cli, corex_rootfs: Path) -> None:
-    for root in roots_of(corex_rootfs):
-        path = root / "vllm/attention/ops/paged_attn.py"
-        path.write_text(path.read_text().replace("use_v1 = True", "pass"))
-    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--json")
+def test_the_real_image_expectations_are_checked(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    """Without the fixture's lock the flagship expects the real image's files: the fixture differs from seven."""
+    args = list(flagship_args)
+    del args[args.index("--expect"):args.index("--expect") + 2]
+    before = tree_digest(corex_rootfs)
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
+    assert result.code == 1 and tree_digest(corex_rootfs) == before
+    drifted = {r["transform"] for r in result.json()["results"] if r["state"] == "DRIFTED"}
+    assert drifted == {f"adapter-replace-{n}" for n in (
+        "paged-attn", "mamba-cache", "sequence", "scheduler", "serving-chat", "api-server", "chat-utils")}
+
+
+def test_an_edit_the_replacement_already_makes_is_superseded(cli, corex_rootfs: Path, flagship_args: list[str],
+                                                            standin: tuple[Path, str], vllm_063: Path) -> None:
+    clone, _ = standin
+    text = replacement("protocol.py", (vllm_063 / "vllm/entrypoints/openai/protocol.py").read_text())
+    later = add_commit(clone, "protocol.py", text.replace('extra="forbid"', 'extra="ignore"'),
+                       "protocol accepts unknown fields")
+    args = [a if not a.startswith("qwen36-adapter=") else f"qwen36-adapter={clone}@{later}" for a in flagship_args]
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
     assert result.code == 0, result.out
-    found = [r for r in result.json()["results"] if r["transform"] == "drop-forced-paged-attn-v1"]
-    assert [r["state"] for r in found] == ["SUPERSEDED", "SUPERSEDED"]
+    got = {r["transform"]: r["state"] for r in result.json()["results"]}
+    assert got["openai-accept-unknown-fields"] == "SUPERSEDED" and got["adapter-replace-protocol"] == "APPLIED"
+    assert f"overridden by --source for this run: {later}" in result.err
 
 
-def test_roots_that_differ_are_refused(cli, corex_rootfs: Path) -> None:
+def test_roots_that_differ_are_refused(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
     lib64 = roots_of(corex_rootfs)[1] / "vllm/attention/ops/paged_attn.py"
     lib64.write_text(lib64.read_text() + "\n# hand edit in one root only\n")
     before = tree_digest(corex_rootfs)
-    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs)
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args)
     assert result.code == 3
     assert "paged_attn.py differs between vendor roots" in result.err
     assert tree_digest(corex_rootfs) == before
 
 
-def test_file_changed_after_apply_is_input_drift(cli, corex_rootfs: Path) -> None:
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs).code == 0
+def test_file_changed_after_apply_is_input_drift(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
     for root in roots_of(corex_rootfs):
         path = root / "vllm/attention/ops/paged_attn.py"
         path.write_text(path.read_text() + "# edited later\n")
-    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs)
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args)
     assert result.code == 3
     assert "changed since toolkit last applied" in result.err
 
 
-def test_lock_detects_a_changed_base_image(cli, corex_rootfs: Path, tmp_path: Path) -> None:
+def test_lock_detects_a_changed_base_image(cli, corex_rootfs: Path, tmp_path: Path, flagship_args: list[str]) -> None:
     lock = tmp_path / "flagship.lock.json"
     pristine = tmp_path / "pristine"
     shutil.copytree(corex_rootfs, pristine, symlinks=True)
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--write-lock", lock).code == 0
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--write-lock", lock).code == 0
     # the lock records the pristine hashes even when applied again on the patched tree
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--check-lock", lock).code == 0
-    assert cli("apply", FLAGSHIP, "--rootfs", pristine, "--check-lock", lock, "--dry-run").code == 0
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--check-lock", lock).code == 0
+    assert cli("apply", FLAGSHIP, "--rootfs", pristine, *flagship_args, "--check-lock", lock, "--dry-run").code == 0
     for root in roots_of(pristine):
         path = root / "vllm/model_executor/models/registry.py"
         path.write_text(path.read_text() + "# a newer base image\n")
     before = tree_digest(pristine)
-    result = cli("apply", FLAGSHIP, "--rootfs", pristine, "--check-lock", lock)
+    result = cli("apply", FLAGSHIP, "--rootfs", pristine, *flagship_args, "--check-lock", lock)
     assert result.code == 3
     assert "input drift against the lock" in result.err and "registry.py" in result.err
     assert tree_digest(pristine) == before
 
 
-def test_wrong_vendor_version_is_refused(cli, corex_rootfs: Path) -> None:
+def test_wrong_vendor_version_is_refused(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
     for root in roots_of(corex_rootfs):
         meta = next(root.glob("vllm-*.dist-info")) / "METADATA"
         meta.write_text(meta.read_text().replace("Version: 0.6.3+corex.3.2.3", "Version: 0.7.0"))
-    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs)
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args)
     assert result.code == 3
     assert "does not satisfy vendor.version" in result.err and "bi100-qwen36.yaml:" in result.err
 
 
-def test_a_failed_write_rolls_every_root_back(cli, corex_rootfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_write_rolls_every_root_back(cli, corex_rootfs: Path, monkeypatch: pytest.MonkeyPatch,
+                                              flagship_args: list[str]) -> None:
     before = tree_digest(corex_rootfs)
     real_place = engine_mod._place
     calls = {"n": 0}
@@ -226,34 +262,36 @@ def test_a_failed_write_rolls_every_root_back(cli, corex_rootfs: Path, monkeypat
         return real_place(*args, **kwargs)
 
     monkeypatch.setattr(engine_mod, "_place", failing_place)
-    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs)
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args)
     assert result.code == 1
     assert "No space left on device" in result.err and "rolled back" in result.err
     assert calls["n"] > 7  # the rollback itself went through _place too
     assert tree_digest(corex_rootfs) == before
 
 
-def test_diff_shows_each_transform_and_writes_nothing(cli, corex_rootfs: Path) -> None:
+def test_diff_shows_each_transform_and_writes_nothing(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
     before = tree_digest(corex_rootfs)
-    result = cli("diff", FLAGSHIP, "--rootfs", corex_rootfs)
+    result = cli("diff", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args)
     assert result.code == 0
     assert "# transform unhardcode-enforce-eager" in result.out
     assert "-            enforce_eager=True," in result.out
     assert "+            enforce_eager=self.enforce_eager," in result.out
     assert '+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLM"),' in result.out
-    stat = cli("diff", FLAGSHIP, "--rootfs", corex_rootfs, "--stat")
+    stat = cli("diff", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--stat")
     assert stat.code == 0
-    assert any(line.startswith("drop-forced-paged-attn-v1") and "+0 -1" in line for line in stat.out.splitlines())
+    assert any(line.startswith("adapter-replace-paged-attn") for line in stat.out.splitlines())
+    # a replacement is shown against the vendor file it replaces
+    assert "# transform adapter-replace-paged-attn" in result.out
+    assert "-        use_v1 = True" in result.out and "+    def _should_use_paged_attention_v1(" in result.out
     assert tree_digest(corex_rootfs) == before
 
 
-def test_reference_063_reports_superseded_upstream(cli) -> None:
+def test_reference_063_reports_superseded_upstream(cli, adapter_args: list[str]) -> None:
     """Upstream 0.6.3.post1 already passes self.enforce_eager: those patches are SUPERSEDED there."""
-    result = cli("diff", FLAGSHIP, "--reference", "--json")
+    result = cli("diff", FLAGSHIP, "--reference", *adapter_args, "--json")
     got = {r["transform"]: r["state"] for r in result.json()["results"]}
     assert got["unhardcode-enforce-eager"] == "SUPERSEDED"
     assert got["unhardcode-custom-all-reduce"] == "SUPERSEDED"
-    assert got["drop-forced-paged-attn-v1"] == "SUPERSEDED"
     assert got["openai-accept-unknown-fields"] == "APPLIED"
     # the vendor-only anchor is missing upstream, and the report says which key
     assert got["register-qwen3-5"] == "DRIFTED"
@@ -261,13 +299,15 @@ def test_reference_063_reports_superseded_upstream(cli) -> None:
     assert result.code == 1
 
 
-def test_reference_085_reports_upstream_changes(cli, vllm_085: Path) -> None:
-    result = cli("diff", FLAGSHIP, "--reference", "vllm==0.8.5.post1", "--json")
+def test_reference_085_reports_upstream_changes(cli, vllm_085: Path, adapter_args: list[str]) -> None:
+    result = cli("diff", FLAGSHIP, "--reference", "vllm==0.8.5.post1", *adapter_args, "--json")
     report = result.json()
     got = {r["transform"]: r for r in report["results"]}
     assert got["unhardcode-enforce-eager"]["state"] == "SUPERSEDED"
     assert got["register-qwen3-5"]["state"] == "APPLIED"  # 0.8.5 has Qwen3MoeForCausalLM upstream
-    openai = got["openai-accept-unknown-fields"]
-    assert openai["state"] == "DRIFTED"
-    assert 'extra="allow"' in openai["message"] and 'extra="forbid"' in openai["message"]
-    assert openai["recipe_line"] == line_of("- id: openai-accept-unknown-fields")
+    # 0.8.5's protocol.py is not the file the adapter's replacement was made from: the contract says so
+    replaced = got["adapter-replace-protocol"]
+    assert replaced["state"] == "DRIFTED" and "the vendor file changed" in replaced["message"]
+    assert replaced["recipe_line"] == line_of("- id: adapter-replace-protocol")
+    # the edit of the replacement still lands on the replacement's own content
+    assert got["openai-accept-unknown-fields"]["state"] == "APPLIED"

@@ -191,7 +191,8 @@ def _exit(report: Report, strict: bool = False) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     loaded, trees = _trees(load_recipe(args.recipe), args)
-    engines, _ = _engines(loaded, args, trees, lock=_read_lock(args.check_lock))
+    engines, _ = _engines(loaded, args, trees)
+    engines[0].lock = _read_lock(args.check_lock)  # the lock records the vendor roots' inputs
     plan = run_packages(engines)
     written: list[str] = []
     PROGRESS.untouched = "nothing was written: the writes are all-or-nothing and were rolled back or never began"

@@ -344,8 +344,17 @@ class Engine:
         if isinstance(kind, DeployKind) and not kind.rootfs_level:
             # files that source transforms edit are written by the engine, deployed and patched at once
             plan = kind.plan(base, owned, frozenset(self.deployed))
-            broken = [why for rel, why in self.broken.items() if rel in kind.targets(base)]
-            return FilePlan(State.DRIFTED, "; ".join(broken)) if broken else plan
+            targets = kind.targets(base)
+            broken = [why for rel, why in self.broken.items() if rel in targets]
+            if broken:
+                return FilePlan(State.DRIFTED, "; ".join(broken))
+            written = {op.path for op in self.plan.ops} if hasattr(self, "plan") else set()
+            replaced = [rel for rel, (target, _) in targets.items() if rel in self.deployed and target in written]
+            if plan.state is State.ALREADY_APPLIED and replaced:
+                # the engine writes it, deployed and patched in one write: the deploy did happen here
+                return FilePlan(State.APPLIED, f"{', '.join(replaced)} written with the transforms that edit it",
+                                plan.ops, plan.owned)
+            return plan
         return kind.plan(base, owned)
 
     def _plan_files(self, version: str | None) -> dict[str, dict[str, str]]:
