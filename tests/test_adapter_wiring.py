@@ -1,114 +1,35 @@
-"""The model adapter as a pinned source: bundle or fetch, deploy, dispatch into it; on a stand-in adapter."""
+"""The model adapter as a pinned source: bundled from a clone or fetched at the pin, deployed, dispatched into.
+
+On the stand-in adapter (tests/standin_adapter.py), with the flagship recipe as it is committed.
+"""
 
 from __future__ import annotations
 
-import copy
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import git
 import pytest
-import yaml
-from conftest import FLAGSHIP, REPO, roots_of, small_rootfs, tree_digest
+from conftest import FLAGSHIP, TRANSFORMERS_SITE, roots_of, transformers_site, tree_digest
 from standin_adapter import SOURCE
+
+from toolkit.recipe import load_recipe
+from toolkit.render import render
 
 torch = pytest.importorskip("torch", reason="the dispatch tests import the patched adapter: pip install torch==2.13.0")
 
-ADAPTER_FILE = "vllm/model_executor/models/qwen3_5.py"
-PROV = {"why": "native fast path for the stand-in adapter", "remove_when": "the adapter ships it"}
+SWITCHES = {"MOE_NATIVE": "moe.segments", "CHUNK_PARALLEL": "gdn.chunk", "RMSNORM_NATIVE": "norm.gated"}
 
 
-def dispatch(tid: str, scope: str, switch: str, target: str, **extra: Any) -> dict[str, Any]:
-    return {"id": tid, "kind": "dispatch", "file": ADAPTER_FILE, "scope": scope, "switch": switch,
-            "target": target, **PROV, **extra}
-
-
-WIRING = [
-    {"id": "deploy-adapter-model", "kind": "deploy", "source": "@stand-in/qwen3_5.py", "dest": ADAPTER_FILE, **PROV},
-    dispatch("moe-native", "Qwen3_5MoeSparseBlock._pure_pytorch_experts", "MOE_NATIVE",
-             "native_fastpaths.moe:pure_pytorch_experts"),
-    dispatch("chunk-parallel", "_torch_chunk_gated_delta_rule", "CHUNK_PARALLEL",
-             "native_fastpaths.gdn:torch_chunk_gated_delta_rule"),
-    dispatch("loop1-native", "_torch_recurrent_gated_delta_rule", "LOOP1_NATIVE",
-             "native_fastpaths.gdn:torch_recurrent_gated_delta_rule"),
-    dispatch("rmsnorm-native", "Qwen3_5RMSNormGated.forward", "RMSNORM_NATIVE",
-             "native_fastpaths.norm:qwen3_5_rmsnorm_gated_forward"),
-]
-
-
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    repo_dir = tmp_path_factory.mktemp("adapter") / "qwen36_01"
-    repo = git.Repo.init(repo_dir)
-    (repo_dir / "qwen3_5.py").write_text(SOURCE)
-    (repo_dir / "README.md").write_text("stand-in adapter\n")
-    repo.index.add(["qwen3_5.py", "README.md"])
-    actor = git.Actor("t", "t@t")
-    commit = repo.index.commit("stand-in adapter", author=actor, committer=actor).hexsha
-    (repo_dir / "qwen3_5.py").write_text(SOURCE + "\nraise RuntimeError('uncommitted edit')\n")  # must not leak
-    return repo_dir, commit
-
-
-def write_recipe(tmp_path: Path, commit: str, path: str | None) -> Path:
-    data = copy.deepcopy(yaml.safe_load(FLAGSHIP.read_text()))
-    data["patches"] = str(REPO / "patches" / "src")
-    source = {"name": "stand-in", "git": "https://adapter.invalid/qwen36_01.git", "commit": commit,
-              "provides_flags": ["reasoning-parser"], "provides_tool_parsers": ["qwen3_coder"]}
-    if path:
-        source["path"] = path
-    data["sources"] = [source]
-    data["transforms"] += copy.deepcopy(WIRING)
-    data["env"].update({"MOE_NATIVE": "1", "CHUNK_PARALLEL": "1", "LOOP1_NATIVE": "1", "RMSNORM_NATIVE": "1"})
-    data.pop("variants"), data.pop("matrix")
-    recipe = tmp_path / "wired.yaml"
-    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
-    return recipe
-
-
-@pytest.fixture
-def tree(vllm_063: Path, tmp_path: Path) -> Path:
-    files = sorted({t["file"] for t in yaml.safe_load(FLAGSHIP.read_text())["transforms"] if "file" in t})
-    return small_rootfs(vllm_063, tmp_path / "rootfs", files)
-
-
-def states(result: Any) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for r in result.json()["results"]:
-        out.setdefault(r["transform"], set()).add(r["state"])
-    return out
-
-
-def test_apply_deploys_and_patches_the_adapter(cli, adapter: tuple[Path, str], tree: Path, tmp_path: Path) -> None:
-    path, commit = adapter
-    recipe = write_recipe(tmp_path, commit, None)
-    first = cli("apply", recipe, "--rootfs", tree, "--source", f"stand-in={path}", "--json")
-    assert first.code == 0, first.out
-    got = states(first)
-    assert got["moe-native"] == {"APPLIED"} and got["deploy-adapter-model"] == {"APPLIED"}
-    for root in roots_of(tree):
-        text = (root / ADAPTER_FILE).read_text()
-        assert "uncommitted edit" not in text, "the pinned commit is deployed, not the working tree"
-        assert 'environ.get("MOE_NATIVE", "1")' in text and "# toolkit-marker: rmsnorm-native" in text
-    snapshot = tree_digest(tree)
-    again = cli("apply", recipe, "--rootfs", tree, "--source", f"stand-in={path}", "--json")
-    assert again.code == 0
-    assert set().union(*states(again).values()) == {"ALREADY_APPLIED"}
-    assert tree_digest(tree) == snapshot
-    verified = cli("verify", recipe, "--rootfs", tree, "--source", f"stand-in={path}", "--json")
-    assert verified.code == 0, verified.out
-
-
-def test_dispatches_switch_between_native_and_original(cli, adapter: tuple[Path, str], tree: Path, tmp_path: Path,
+def test_dispatches_switch_between_native_and_original(cli, corex_rootfs: Path, flagship_args: list[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    path, commit = adapter
-    assert cli("apply", write_recipe(tmp_path, commit, None), "--rootfs", tree,
-               "--source", f"stand-in={path}").code == 0
-    root = roots_of(tree)[1]
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
+    root = roots_of(corex_rootfs)[1]
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.syspath_prepend(str(root / "vllm/model_executor/models"))
     for name in [m for m in sys.modules if m.split(".")[0] in ("qwen3_5", "native_fastpaths")]:
@@ -126,15 +47,12 @@ def test_dispatches_switch_between_native_and_original(cli, adapter: tuple[Path,
     gate, beta = -torch.rand(1, 70, 4, generator=g), torch.rand(1, 70, 4, generator=g)
     norm = adapter_mod.Qwen3_5RMSNormGated(12)
     calls = {
-        "MOE_NATIVE": (lambda: block._pure_pytorch_experts(x, logits), "moe.segments"),
-        "CHUNK_PARALLEL": (lambda: adapter_mod._torch_chunk_gated_delta_rule(
-            q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)[0], "gdn.chunk"),
-        "LOOP1_NATIVE": (lambda: adapter_mod._torch_recurrent_gated_delta_rule(
-            q[:, :1], k[:, :1], v[:, :1], gate[:, :1], beta[:, :1], use_qk_l2norm_in_kernel=True)[0],
-            "gdn.recurrent"),
-        "RMSNORM_NATIVE": (lambda: norm(v, v * 2), "norm.gated"),
+        "MOE_NATIVE": lambda: block._pure_pytorch_experts(x, logits),
+        "CHUNK_PARALLEL": lambda: adapter_mod._torch_chunk_gated_delta_rule(
+            q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)[0],
+        "RMSNORM_NATIVE": lambda: norm(v, v * 2),
     }
-    for switch, (call, profile_name) in calls.items():
+    for switch, call in calls.items():
         profiling._totals.clear()
         monkeypatch.setenv(switch, "0")
         original = call()
@@ -143,55 +61,139 @@ def test_dispatches_switch_between_native_and_original(cli, adapter: tuple[Path,
         native = call()
         torch.testing.assert_close(native, original, atol=2e-4, rtol=2e-4)
         # with the switch on the injected path runs, with it off it does not
-        assert profile_name in profiling._totals and profile_name not in off_paths, switch
+        assert SWITCHES[switch] in profiling._totals and SWITCHES[switch] not in off_paths, switch
+    # the adapter never calls its recurrent rule (decode is inlined): the flagship claims no dispatch there
+    assert "LOOP1_NATIVE" not in (root / "vllm/model_executor/models/qwen3_5.py").read_text()
     for name in [m for m in sys.modules if m.split(".")[0] in ("qwen3_5", "native_fastpaths")]:
         monkeypatch.delitem(sys.modules, name)
 
 
-def test_missing_local_source_is_a_clear_error(cli, adapter: tuple[Path, str], tree: Path, tmp_path: Path) -> None:
-    _, commit = adapter
-    result = cli("apply", write_recipe(tmp_path, commit, None), "--rootfs", tree)
+def test_missing_local_source_is_a_clear_error(cli, corex_rootfs: Path) -> None:
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs)
     assert result.code == 2
-    assert "source 'stand-in' is not available here" in result.err and "--source stand-in=PATH" in result.err
+    assert "source 'qwen36-adapter' is not available here" in result.err
+    assert "--source qwen36-adapter=PATH" in result.err
 
 
-def test_wrong_pin_is_refused(cli, adapter: tuple[Path, str], tree: Path, tmp_path: Path) -> None:
-    path, _ = adapter
-    result = cli("apply", write_recipe(tmp_path, "0" * 40, None), "--rootfs", tree, "--source", f"stand-in={path}")
+def test_wrong_pin_is_refused(cli, corex_rootfs: Path, standin: tuple[Path, str]) -> None:
+    clone, _ = standin
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--source", f"qwen36-adapter={clone}@{'0' * 40}")
     assert result.code == 2 and f"commit {'0' * 40} is not in" in result.err
+    pinned = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--source", f"qwen36-adapter={clone}")
+    assert pinned.code == 2 and "commit 5a1c8c79e234df641b4d6ed8790d5fc5435a08b7 is not in" in pinned.err
 
 
-def test_bundled_build_carries_the_pinned_adapter(cli, adapter: tuple[Path, str], corex_rootfs: Path,
+def test_a_no_checkout_clone_bundles_the_same_files(cli, corex_rootfs: Path, standin: tuple[Path, str],
+                                                    flagship_args: list[str], tmp_path: Path) -> None:
+    clone, commit = standin
+    shallow = tmp_path / "no-checkout"
+    git.Repo.clone_from(str(clone), str(shallow), no_checkout=True)
+    assert not (shallow / "qwen3_6_scripts").exists()
+    args = [a if not a.startswith("qwen36-adapter=") else f"qwen36-adapter={shallow}@{commit}" for a in flagship_args]
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--dry-run", "--json")
+    assert result.code == 0, result.out
+    assert {r["state"] for r in result.json()["results"]} == {"APPLIED"}
+
+
+def test_bundled_build_carries_only_the_used_files(cli, corex_rootfs: Path, standin: tuple[Path, str],
+                                                  adapter_args: list[str], transformers_455: Path,
                                                   tmp_path: Path) -> None:
-    path, commit = adapter
-    recipe = write_recipe(tmp_path, commit, os.path.relpath(path, tmp_path))  # sources[].path, recipe-relative
+    _, commit = standin
     out = tmp_path / "sub"
-    result = cli("build", recipe, "-o", out, "--json")
+    result = cli("build", FLAGSHIP, "-o", out, *adapter_args, "--json")
     assert result.code == 0, result.err
-    assert any(f"source stand-in: bundled at {commit}" in n for n in result.json()["notes"])
-    assert result.json()["trial"]["untried"] == {}  # with the checkout, the adapter's edits are tried too
-    bundled = out / "toolkit_payload/sources/stand-in/qwen3_5.py"
-    assert bundled.read_text() == SOURCE
+    assert any(f"source qwen36-adapter: bundled at {commit}" in n for n in result.json()["notes"])
+    assert result.json()["trial"]["untried"] == {}  # with the clone, the adapter's edits are tried too
+    sources = out / "toolkit_payload/sources/qwen36-adapter"
+    bundled = sorted(p.relative_to(sources).as_posix() for p in sources.rglob("*") if p.is_file())
+    assert "wheels/transformers-4.55.3-py3-none-any.whl" not in bundled and "patch_ops.sh" not in bundled
+    assert "qwen3_5.py" in bundled and "reasoning/qwen3_reasoning_parser.py" in bundled
+    assert (sources / "qwen3_5.py").read_text().startswith(SOURCE), "the pinned commit, not the work tree"
+    assert b"\r" not in (sources / "protocol.py").read_bytes()
+    digests = json.loads((out / "toolkit_payload/sources/qwen36-adapter.digests.json").read_text())
+    assert sorted(digests) == bundled
+    manifest = json.loads((out / "toolkit_payload/MANIFEST.json").read_text())
+    assert "sources/qwen36-adapter/qwen3_5.py" in manifest
+    assert (out / "toolkit_payload/packages/transformers-4.55.3-py3-none-any.whl").is_file()
     assert cli("verify", out).code == 0
-    proc = subprocess.run([sys.executable, "-m", "toolkit.inimage", str(out / "toolkit_payload/recipe/wired.yaml"),
-                           "--rootfs", str(corex_rootfs)], capture_output=True, text=True, cwd=out,
-                          env=dict(os.environ, PYTHONPATH=str(out / "toolkit_payload/src")))
+    site = transformers_site(corex_rootfs, transformers_455)
+    recipe = out / "toolkit_payload/recipe/bi100-qwen36.yaml"
+    env = dict(os.environ, PYTHONPATH=str(out / "toolkit_payload/src"))
+    proc = subprocess.run([sys.executable, "-m", "toolkit.inimage", str(recipe), "--rootfs", str(corex_rootfs),
+                           "--package-root", f"transformers={site}"], capture_output=True, text=True, cwd=out, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[ok] source qwen36-adapter: " in proc.stdout and "match their recorded sha256" in proc.stdout
     assert "[ok] moe-native /usr/local/corex/lib64/python3/dist-packages APPLIED" in proc.stdout
+    assert f"[ok] adapter-transformers-config-mapping {site} APPLIED" in proc.stdout
+    # a bundled file changed after the build: the in-image step refuses before touching anything
+    (sources / "qwen3_5.py").write_text("tampered\n")
+    again = subprocess.run([sys.executable, "-m", "toolkit.inimage", str(recipe), "--rootfs", str(corex_rootfs),
+                            "--package-root", f"transformers={site}", "--verify-only"],
+                           capture_output=True, text=True, cwd=out, env=env)
+    assert again.returncode == 1 and "[FAIL] source qwen36-adapter: 1 file(s) differ" in again.stdout
 
 
-def test_fetch_mode_build_clones_and_verifies_the_pin(cli, adapter: tuple[Path, str], tmp_path: Path) -> None:
-    _, commit = adapter
+def test_fetch_mode_build_clones_and_verifies_the_pin(cli, tmp_path: Path) -> None:
     out = tmp_path / "sub"
-    result = cli("build", write_recipe(tmp_path, commit, None), "-o", out, "--json")
+    result = cli("build", FLAGSHIP, "-o", out, "--json")
     assert result.code == 0, result.err
+    commit = "5a1c8c79e234df641b4d6ed8790d5fc5435a08b7"
     assert any("NOT bundled" in n and "checks out " + commit in n for n in result.json()["notes"])
     # what needs the fetched adapter cannot be tried before writing: the report says so, by name
     untried = result.json()["trial"]["untried"]
-    assert sorted(untried) == sorted(t["id"] for t in WIRING)
-    assert any("not tried here, tried by the in-image step instead" in n for n in result.json()["notes"])
+    assert "adapter-model" in untried and "moe-native" in untried and "adapter-replace-protocol" in untried
+    assert "unhardcode-enforce-eager" not in untried and "adapter-transformers-config-mapping" not in untried
     script = (out / "toolkit_payload/apply.sh").read_text()
-    assert "git clone --quiet --no-checkout https://adapter.invalid/qwen36_01.git" in script
-    assert f'!= "{commit}"' in script
+    assert "git clone --quiet --no-checkout https://github.com/wudixzy/competition.git" in script
+    assert f'!= "{commit}"' in script and 'mv "$clone/qwen3_6_scripts" "$src"' in script
     assert not (out / "toolkit_payload/sources").exists()
     assert json.loads(cli("verify", out, "--json").out)["findings"] == []  # shellcheck and bash -n included
+
+
+def test_fetch_mode_apply_sh_checks_out_the_subdir(tmp_path: Path, standin: tuple[Path, str]) -> None:
+    """The fetch step of apply.sh, run for real against a local clone URL: the pin, cut to its subdir."""
+    clone, commit = standin
+    recipe = load_recipe(FLAGSHIP).recipe
+    source = recipe.sources[0].model_copy(update={"git": f"file://{clone}", "commit": commit})
+    script = render(recipe, "bi100-qwen36.yaml", None, [source]).apply_sh
+    fetch = script[script.index("== toolkit: fetch source") - 6:script.index('echo "== toolkit: apply and verify')]
+    payload = tmp_path / "payload"
+    (payload / "sources").mkdir(parents=True)
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", f'payload={payload}\n{fetch}'],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fetched = payload / "sources/qwen36-adapter"
+    assert (fetched / "qwen3_5.py").read_text().startswith(SOURCE) and not (fetched / ".git").exists()
+    assert not (payload / "sources/.clone-qwen36-adapter").exists()
+    bad = script.replace(commit, "1" * 40)
+    fetch = bad[bad.index("== toolkit: fetch source") - 6:bad.index('echo "== toolkit: apply and verify')]
+    shutil.rmtree(fetched)
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", f'payload={payload}\n{fetch}'],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "[FAIL] source qwen36-adapter" in proc.stdout
+
+
+def test_version_read_from_version_py_without_metadata(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    for root in roots_of(corex_rootfs):
+        for meta in root.glob("vllm-*.dist-info"):
+            shutil.rmtree(meta)
+        (root / "vllm/version.py").write_text('__version__ = "0.6.3"\n__version_tuple__ = (0, 6, 3)\n')
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--dry-run", "--json")
+    assert result.code == 0, result.err
+    assert any("vllm 0.6.3 (read from vllm/version.py)" in n for n in result.json()["notes"])
+    for root in roots_of(corex_rootfs):
+        (root / "vllm/version.py").write_text("import os\n")
+        (root / "vllm/_version.py").unlink(missing_ok=True)
+    before = tree_digest(corex_rootfs)
+    refused = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args)
+    assert refused.code == 3 and "no vllm version in" in refused.err and "vllm/version.py" in refused.err
+    assert tree_digest(corex_rootfs) == before
+
+
+def test_transformers_root_must_be_given_on_a_host(cli, corex_rootfs: Path, adapter_args: list[str]) -> None:
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *adapter_args)
+    assert result.code == 2 and "package transformers: no roots here" in result.err
+    assert "--package-root transformers=DIR" in result.err
+    wrong = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *adapter_args,
+                "--package-root", f"transformers={corex_rootfs / TRANSFORMERS_SITE / 'transformers'}")
+    assert wrong.code == 2 and "not transformers/ itself" in wrong.err

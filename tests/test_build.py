@@ -10,7 +10,7 @@ from pathlib import Path
 import git
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO, roots_of
+from conftest import FLAGSHIP, REPO, roots_of, transformers_site
 
 from toolkit import submission
 from toolkit.inimage import expected_results
@@ -25,6 +25,16 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("build") / "submission"
     assert main(["build", str(FLAGSHIP), "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundled(tmp_path_factory: pytest.TempPathFactory, adapter_args: list[str]) -> Path:
+    """The flagship built with the stand-in adapter bundled and the fixture's replacement expectations."""
+    from toolkit.cli import main
+
+    out = tmp_path_factory.mktemp("bundled") / "submission"
+    assert main(["build", str(FLAGSHIP), "-o", str(out), *adapter_args]) == 0
     return out
 
 
@@ -186,31 +196,36 @@ def test_all_variants_with_branches_and_push(cli, tmp_path: Path) -> None:
     assert config["command"][config["command"].index("--max-num-seqs") + 1] == "4"
 
 
-def _inimage(built: Path, rootfs: Path) -> subprocess.CompletedProcess[str]:
+def _inimage(built: Path, rootfs: Path, transformers: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(built / "toolkit_payload/src"))
+    site = transformers_site(rootfs, transformers)
     return subprocess.run([sys.executable, "-m", "toolkit.inimage",
-                           str(built / "toolkit_payload/recipe/bi100-qwen36.yaml"), "--rootfs", str(rootfs)],
+                           str(built / "toolkit_payload/recipe/bi100-qwen36.yaml"), "--rootfs", str(rootfs),
+                           "--package-root", f"transformers={site}"],
                           capture_output=True, text=True, env=env, cwd=built)
 
 
-def test_in_image_step_prints_ok_lines(built: Path, corex_rootfs: Path) -> None:
-    proc = _inimage(built, corex_rootfs)
+def test_in_image_step_prints_ok_lines(bundled: Path, corex_rootfs: Path, transformers_455: Path) -> None:
+    proc = _inimage(bundled, corex_rootfs, transformers_455)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ok = [ln for ln in proc.stdout.splitlines() if ln.startswith("[ok] ")]
-    expected = expected_results(load_recipe(FLAGSHIP), roots=2)
-    assert len([ln for ln in ok if not ln.startswith("[ok] verify")]) == expected == 18
+    recipe = load_recipe(FLAGSHIP)
+    expected = expected_results(recipe, {"vllm": 2, "transformers": 1})
+    results = [ln for ln in ok if ln.split()[1] in {t.id for t in recipe.recipe.transforms}]
+    assert len(results) == expected > len(recipe.recipe.transforms)
     assert "[ok] unhardcode-enforce-eager /usr/local/corex/lib64/python3/dist-packages APPLIED" in proc.stdout
+    assert "[ok] package transformers 4.55.3" in proc.stdout
     assert "import check not run" in proc.stdout
     assert proc.stdout.rstrip().splitlines()[-1].startswith("== summary: ok")
 
 
-def test_in_image_step_fails_loudly_on_drift(built: Path, corex_rootfs: Path) -> None:
+def test_in_image_step_fails_loudly_on_drift(bundled: Path, corex_rootfs: Path, transformers_455: Path) -> None:
     for root in roots_of(corex_rootfs):
-        path = root / "vllm/attention/ops/paged_attn.py"
-        path.write_text(path.read_text().replace("def forward_decode(", "def forward_decode_v2("))
-    proc = _inimage(built, corex_rootfs)
+        path = root / "vllm/engine/arg_utils.py"
+        path.write_text(path.read_text().replace("def create_model_config(", "def create_model_config_v2("))
+    proc = _inimage(bundled, corex_rootfs, transformers_455)
     assert proc.returncode == 1
     fail = [ln for ln in proc.stdout.splitlines() if ln.startswith("[FAIL] ")]
-    assert fail and all(ln.startswith("[FAIL] drop-forced-paged-attn-v1 ") for ln in fail)
-    assert "forward_decode_v2" in fail[0] and "bi100-qwen36.yaml:" in fail[0]
+    assert fail and all(ln.startswith("[FAIL] unhardcode-enforce-eager ") for ln in fail)
+    assert "create_model_config_v2" in fail[0] and "bi100-qwen36.yaml:" in fail[0]
     assert "nothing was written" in proc.stdout

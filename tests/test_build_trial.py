@@ -21,19 +21,19 @@ def variant_of_flagship(tmp_path: Path, edit: str, new: str) -> Path:
 
 def test_a_typo_in_scope_stops_the_build_before_anything_is_written(cli, tmp_path: Path) -> None:
     # the DRIFTED used to show only in the platform's docker build, which shows no log
-    recipe = variant_of_flagship(tmp_path, "scope: PagedAttention.forward_decode",
-                                 "scope: PagedAttention.forward_decod")
+    recipe = variant_of_flagship(tmp_path, "scope: EngineArgs.create_model_config",
+                                 "scope: EngineArgs.create_model_confi")
     out = tmp_path / "sub"
     result = cli("build", recipe, "-o", out, "--json")
     assert result.code == 1, result.out
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["typo.yaml"]
     report = result.json()
     drifted = [r for r in report["results"] if r["state"] == "DRIFTED"]
-    assert {r["transform"] for r in drifted} == {"drop-forced-paged-attn-v1"}
+    assert {r["transform"] for r in drifted} == {"unhardcode-enforce-eager"}
     line = next(i + 1 for i, ln in enumerate(recipe.read_text().splitlines())
-                if "id: drop-forced-paged-attn-v1" in ln)
+                if "id: unhardcode-enforce-eager" in ln)
     assert {r["recipe_line"] for r in drifted} == {line}
-    assert all("PagedAttention.forward_decode" in r["message"] for r in drifted)  # the nearest name that exists
+    assert all("EngineArgs.create_model_config" in r["message"] for r in drifted)  # the nearest name that exists
     assert any("nothing was written" in n for n in report["notes"])
     human = cli("build", recipe, "-o", out)
     assert human.code == 1 and "DRIFTED" in human.out and "CoreX-like tree of vllm==0.6.3.post1" in human.out

@@ -112,9 +112,20 @@ def test_rule_stays_quiet(tmp_path: Path, rule: str, severity: Severity, fire, q
 def test_flagship_lints_without_errors_and_says_what_it_waits_for() -> None:
     result = lint(load_recipe(FLAGSHIP))
     assert result.errors == 0
-    warnings = [i for i in result.issues if i.severity is Severity.WARNING]
-    assert {i.rule for i in warnings} == {"unknown-flag"}
-    assert all("qwen36-adapter" in i.message for i in warnings)
+    # the adapter is deployed: its flag (--reasoning-parser) and parser (qwen3_coder) are no longer waited for
+    assert [i for i in result.issues if i.severity is Severity.WARNING] == []
+
+
+def test_a_declared_source_that_is_not_deployed_is_waited_for(tmp_path: Path) -> None:
+    def undeploy(data: dict[str, Any]) -> None:
+        adapter_files = {t["dest"] for t in data["transforms"] if str(t.get("source", "")).startswith("@")}
+        data["transforms"] = [t for t in data["transforms"] if not str(t.get("source", "")).startswith("@")
+                              and t.get("file") not in adapter_files]
+
+    found = issues_of(write(tmp_path, undeploy), "unknown-flag")
+    assert sorted((i.severity, i.message.split(" is ")[0]) for i in found) == [
+        (Severity.WARNING, "--reasoning-parser"), (Severity.WARNING, "tool parser 'qwen3_coder'")]
+    assert all("qwen36-adapter" in i.message for i in found)
 
 
 def test_kv_estimate_numbers_for_the_flagship() -> None:
@@ -190,7 +201,8 @@ def test_prior_art_failures_are_caught(cli, path: Path) -> None:
 
 def test_lint_exit_codes(cli, tmp_path: Path) -> None:
     assert cli("lint", FLAGSHIP).code == 0
-    assert cli("lint", FLAGSHIP, "--strict").code == 1  # the adapter warnings
+    assert cli("lint", FLAGSHIP, "--strict").code == 0
+    assert cli("lint", write(tmp_path, set_args(gpu_memory_utilization=0.72)), "--strict").code == 1  # thin margin
     assert cli("lint", write(tmp_path, set_args(num_scheduler_steps=8))).code == 2
 
 
@@ -218,10 +230,11 @@ def test_lint_one_variant(cli) -> None:
     assert missing.code == 2 and "no variant 'nope'" in missing.err
 
 
-def test_verify_refuses_a_recipe_with_lint_errors(cli, tmp_path: Path, corex_rootfs: Path) -> None:
+def test_verify_refuses_a_recipe_with_lint_errors(cli, tmp_path: Path, corex_rootfs: Path,
+                                                   flagship_args: list[str]) -> None:
     bad = write(tmp_path, set_args(num_scheduler_steps=8))
-    assert cli("apply", bad, "--rootfs", corex_rootfs).code == 0
-    result = cli("verify", bad, "--rootfs", corex_rootfs, "--json")
+    assert cli("apply", bad, "--rootfs", corex_rootfs, *flagship_args).code == 0
+    result = cli("verify", bad, "--rootfs", corex_rootfs, *flagship_args, "--json")
     assert result.code == 1
     assert {i["rule"] for i in result.json()["issues"]} == {"multi-step-backend"}
-    assert json.loads(cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, "--json").out)["issues"] == []
+    assert json.loads(cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json").out)["issues"] == []

@@ -166,8 +166,9 @@ def test_an_interrupt_after_writing_says_the_submission_is_complete(cli, tmp_pat
     assert replaceable_problem(out) is None
 
 
-def test_a_closed_pipe_ends_quietly(corex_rootfs: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "diff", str(FLAGSHIP), "--rootfs", str(corex_rootfs)],
+def test_a_closed_pipe_ends_quietly(corex_rootfs: Path, flagship_args: list[str]) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "toolkit.cli", "diff", str(FLAGSHIP), "--rootfs", str(corex_rootfs),
+                             *flagship_args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
     assert proc.stdout is not None and proc.stderr is not None
     assert proc.stdout.readline().startswith(b"# transform")

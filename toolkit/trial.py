@@ -66,7 +66,7 @@ def reference_rootfs(recipe: Recipe) -> tuple[Path, bool]:
     return tree, not (tree / PLAIN).exists()
 
 
-def _untried(recipe: Recipe, trees: dict[str, Path]) -> dict[str, str]:
+def untried_here(recipe: Recipe, trees: dict[str, Path]) -> dict[str, str]:
     """Transforms that need a pinned source with no local copy: deploys from it and edits of what they deploy."""
     out: dict[str, str] = {}
     missing_dests: list[tuple[str, str]] = []
@@ -84,7 +84,7 @@ def _untried(recipe: Recipe, trees: dict[str, Path]) -> dict[str, str]:
 
 def try_recipe(loaded: LoadedRecipe, trees: dict[str, Path], rootfs: Path | None = None) -> Trial:
     recipe = loaded.recipe
-    untried = _untried(recipe, trees)
+    untried = untried_here(recipe, trees)
     notes: list[str] = []
     if rootfs is not None:
         base, where, exact = rootfs, f"the vendor roots under {rootfs}", True
