@@ -23,6 +23,7 @@ from toolkit.errors import ToolkitError
 from toolkit.recipe import LoadedRecipe, Package, SourceTransform, load_recipe
 from toolkit.results import State
 from toolkit.sources import Root, package_roots, version_with_source
+from toolkit.startup import startup_checks
 from toolkit.transforms.deploy import lf_digest
 from toolkit.verify import verify_tree
 
@@ -167,6 +168,16 @@ def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path, trees: dict[st
     return report.ok
 
 
+def startup(loaded: LoadedRecipe, roots: list[Root]) -> bool:
+    """What the server needs at start, read from the patched files of every root."""
+    ok = True
+    for root in roots:
+        for check in startup_checks(root.path, loaded.recipe):
+            say(check.ok, f"start {check.name} {root.label}: {check.detail}")
+            ok &= check.ok
+    return ok
+
+
 def run(recipe_path: str, rootfs: Path, verify_only: bool = False, given: dict[str, str] | None = None) -> int:
     loaded = load_recipe(recipe_path)
     recipe = loaded.recipe
@@ -185,7 +196,7 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False, given: dict[s
     def verify_all() -> bool:
         results = [verify(loaded, roots, rootfs, trees)]
         results += [verify(loaded, proots, rootfs, trees, package=name) for name, proots in packages.items()]
-        return all(results)
+        return all(results) and startup(loaded, roots)
 
     if verify_only:
         return 0 if verify_all() else 1

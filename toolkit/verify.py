@@ -14,6 +14,7 @@ from toolkit.markers import read_markers
 from toolkit.recipe import LoadedRecipe, SourceTransform
 from toolkit.results import Finding, Report, Result, State
 from toolkit.sources import Root, version_with_source
+from toolkit.startup import startup_checks
 from toolkit.transforms.base import Probe, decide
 
 NOT_APPLIED = "not applied: the pre-state is still there (run `toolkit apply`)"
@@ -127,6 +128,12 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
                 deployed = [target for target, _ in kind.targets(base).values()]  # type: ignore[union-attr]
                 texts = [p for p in deployed if not _binary(p)]
                 findings.extend(_lf_findings(label, base, texts, "line-endings"))
+    if engine.package == recipe.vendor.package:
+        for root in roots:
+            checks = startup_checks(root.path, recipe)
+            findings.extend(Finding("startup", root.label, c.name, c.detail) for c in checks if not c.ok)
+            notes.append(f"{root.label}: {sum(c.ok for c in checks)} of {len(checks)} startup check(s) passed "
+                         "(flags, parsers, architectures, deployed modules compile)")
     order = {t.id: i for i, t in enumerate(recipe.transforms)}
     results.sort(key=lambda r: (order[r.transform], r.root))
     return Report("verify", str(loaded.path), tuple(results), tuple(findings), tuple(notes))
