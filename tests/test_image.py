@@ -9,15 +9,16 @@ missing engine is a failure.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO
+from conftest import FLAGSHIP, REPO, TRANSFORMERS_FILES, transformers_site
 
 from toolkit.inimage import expected_results
-from toolkit.recipe import load_recipe
+from toolkit.recipe import SourceTransform, load_recipe
 from toolkit.testing import COREX_ROOTS
 
 BASE_TAG = "toolkit-test/corex:py311"
@@ -40,15 +41,26 @@ def engine() -> Any:
 
 
 @pytest.fixture(scope="module")
-def base_images(engine: Any, vllm_063: Path) -> dict[str, str]:
+def base_images(engine: Any, vllm_063: Path, transformers_455: Path) -> dict[str, str]:
     from toolkit.testing import make_base_image
 
+    def with_transformers(rootfs: Path) -> None:
+        # the image's transformers is outside the CoreX roots, on the interpreter's own path: found by find_spec
+        site = rootfs / "usr/local/lib/python3.11/dist-packages"
+        for rel in TRANSFORMERS_FILES:
+            (site / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(transformers_455 / rel, site / rel)
+        for meta in transformers_455.glob("transformers-*.dist-info"):
+            shutil.copytree(meta, site / meta.name)
+
     def drift(rootfs: Path) -> None:
+        with_transformers(rootfs)
         for root in COREX_ROOTS:
             path = rootfs / root.lstrip("/") / "vllm/engine/arg_utils.py"
             path.write_text(path.read_text().replace("enforce_eager=True,", "enforce_eager=bool(1),"))
 
-    return {"good": make_base_image(BASE_TAG, vllm_063), "drifted": make_base_image(DRIFTED_TAG, vllm_063, edit=drift)}
+    return {"good": make_base_image(BASE_TAG, vllm_063, edit=with_transformers),
+            "drifted": make_base_image(DRIFTED_TAG, vllm_063, edit=drift)}
 
 
 def recipe_for(tmp_path: Path, base: str) -> Path:
@@ -60,21 +72,27 @@ def recipe_for(tmp_path: Path, base: str) -> Path:
     return path
 
 
-def test_full_image_flow(cli, base_images: dict[str, str], tmp_path: Path) -> None:
-    result = cli("build", recipe_for(tmp_path, base_images["good"]), "-o", tmp_path / "sub",
+def test_full_image_flow(cli, base_images: dict[str, str], adapter_args: list[str], tmp_path: Path) -> None:
+    # the stand-in adapter bundled, with the fixture's replacement expectations baked into the submission
+    result = cli("build", recipe_for(tmp_path, base_images["good"]), "-o", tmp_path / "sub", *adapter_args,
                  "--image", "toolkit-test/submission:flow", "--json")
     assert result.code == 0, result.err[-3000:]
     data = result.json()
-    assert data["compared_files"] == 10  # 5 patched modules x 2 roots, byte-identical to a host apply
-    expected = expected_results(load_recipe(FLAGSHIP), roots=2)
+    recipe = load_recipe(FLAGSHIP).recipe
+    patched = {t.file for t in recipe.for_package("vllm") if isinstance(t, SourceTransform)}
+    assert data["compared_files"] == 2 * len(patched)  # every patched module x 2 roots, identical to a host apply
+    expected = expected_results(load_recipe(FLAGSHIP), {"vllm": 2, "transformers": 1})
     assert data["ok_lines"] >= expected
     assert "[ok] `import vllm` from /workspace resolves to /usr/local/corex/lib64/python3/dist-packages/vllm" \
         in result.err
+    assert "[ok] package transformers 4.55.3 at /usr/local/lib/python3.11/dist-packages" in result.err
+    assert "[ok] source qwen36-adapter: " in result.err and "[ok] start reasoning parser qwen3 " in result.err
     assert f"== summary: ok, {expected} APPLIED" in result.err
 
 
-def test_drifted_base_image_fails_the_build(cli, base_images: dict[str, str], tmp_path: Path) -> None:
-    result = cli("build", recipe_for(tmp_path, base_images["drifted"]), "-o", tmp_path / "sub",
+def test_drifted_base_image_fails_the_build(cli, base_images: dict[str, str], adapter_args: list[str],
+                                           tmp_path: Path) -> None:
+    result = cli("build", recipe_for(tmp_path, base_images["drifted"]), "-o", tmp_path / "sub", *adapter_args,
                  "--image", "toolkit-test/submission:drifted")
     assert result.code == 1
     assert "[FAIL] unhardcode-enforce-eager /usr/local/corex/lib/python3/dist-packages" in result.err
@@ -82,11 +100,13 @@ def test_drifted_base_image_fails_the_build(cli, base_images: dict[str, str], tm
     assert "image build failed" in result.err
 
 
-def test_vendor_pull_gives_a_tree_apply_accepts(cli, base_images: dict[str, str], tmp_path: Path) -> None:
+def test_vendor_pull_gives_a_tree_apply_accepts(cli, base_images: dict[str, str], adapter_args: list[str],
+                                                transformers_455: Path, tmp_path: Path) -> None:
     recipe = recipe_for(tmp_path, base_images["good"])
     pulled = tmp_path / "pulled"
     assert cli("vendor", "pull", recipe, "-o", pulled).code == 0
     for root in yaml.safe_load(recipe.read_text())["vendor"]["roots"]:
         assert (pulled / root.lstrip("/") / "vllm/engine/arg_utils.py").is_file()
-    result = cli("diff", recipe, "--rootfs", pulled, "--stat")
+    result = cli("diff", recipe, "--rootfs", pulled, "--stat", *adapter_args, "--package-root",
+                 f"transformers={transformers_site(pulled, transformers_455)}")
     assert "unhardcode-enforce-eager" in result.out

@@ -278,7 +278,7 @@ def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | 
 def files_by_kind(outdir: Path) -> dict[str, int]:
     """How many files of each kind a submission holds, for the build report."""
     kinds = {"sources": "bundled source files", "wheels": "offline wheels", "src": "toolkit engine files",
-             "patches": "patch files"}
+             "patches": "patch files", "packages": "package wheels (installed if the image differs)"}
     counts: dict[str, int] = {}
     for path in sorted(p for p in outdir.rglob("*") if p.is_file() and ".git" not in p.relative_to(outdir).parts):
         parts = path.relative_to(outdir).parts
