@@ -12,9 +12,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import git
 import pytest
+import yaml
 from conftest import FLAGSHIP, TRANSFORMERS_SITE, roots_of, transformers_site, tree_digest
 from standin_adapter import SOURCE
 
@@ -197,3 +199,34 @@ def test_transformers_root_must_be_given_on_a_host(cli, corex_rootfs: Path, adap
     wrong = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *adapter_args,
                 "--package-root", f"transformers={corex_rootfs / TRANSFORMERS_SITE / 'transformers'}")
     assert wrong.code == 2 and "not transformers/ itself" in wrong.err
+
+
+def _flagship_copy(tmp_path: Path, edit: Any) -> Path:
+    data = yaml.safe_load(FLAGSHIP.read_text())
+    data["patches"] = str(FLAGSHIP.parent.parent / "patches/src")
+    edit(data)
+    path = tmp_path / "bi100-qwen36.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_fetch_mode_carries_the_digests_lock(cli, tmp_path: Path) -> None:
+    lock = {"qwen3_5.py": "a" * 64}
+    (tmp_path / "adapter.digests.json").write_text(json.dumps(lock))
+    recipe = _flagship_copy(tmp_path, lambda d: d["sources"][0].update(digests="adapter.digests.json"))
+    out = tmp_path / "sub"
+    assert cli("build", recipe, "-o", out).code == 0
+    assert json.loads((out / "toolkit_payload/sources/qwen36-adapter.digests.json").read_text()) == lock
+    (tmp_path / "adapter.digests.json").write_text("{not json")
+    broken = cli("build", recipe, "-o", tmp_path / "other")
+    assert broken.code == 2 and "digests lock" in broken.err and not (tmp_path / "other").exists()
+
+
+def test_a_replacement_of_a_folder_is_refused(cli, corex_rootfs: Path, flagship_args: list[str],
+                                              tmp_path: Path) -> None:
+    def folder(data: dict[str, Any]) -> None:
+        replaced = next(t for t in data["transforms"] if t["id"] == "adapter-reasoning")
+        replaced["replaces"] = "0" * 64
+
+    result = cli("apply", _flagship_copy(tmp_path, folder), "--rootfs", corex_rootfs, *flagship_args)
+    assert result.code == 2 and "`replaces` contracts one file" in result.err

@@ -255,6 +255,32 @@ def test_serve_module_must_be_a_module_name() -> None:
     assert "serve.module" in why
 
 
+ADAPTER_CASES = [
+    ("statements with both old and after", lambda t: t["adapter-register-tool-parser"].update(old="pass"),
+     "give `old` (replace) or `after` (insert after), not both"),
+    ("statements at the top of the module", lambda t: t["adapter-register-tool-parser"].pop("after"),
+     "inserting at the top needs a function or class `scope`"),
+    ("statements that are not Python", lambda t: t["adapter-prefix-chunks-full-table"].update(new="x = ("),
+     "not Python statements"),
+    ("a replacement that also overwrites", lambda t: t["adapter-replace-protocol"].update(overwrite=True),
+     "`replaces` already allows the replacement"),
+    ("a digest that is not one", lambda t: t["adapter-replace-protocol"].update(replaces="abc"),
+     "String should match pattern"),
+    ("an undeclared package", lambda t: t["adapter-transformers-type-imports"].update(package="tokenizers"),
+     "edits package 'tokenizers', which is not declared under packages"),
+    ("a symlink with a package", lambda t: t["link-libcusolver"].update(package="transformers"),
+     "drop `package`"),
+]
+
+
+@pytest.mark.parametrize(("case", "mutate", "message"), ADAPTER_CASES, ids=[c[0] for c in ADAPTER_CASES])
+def test_adapter_fields_are_checked_at_load(case: str, mutate: Any, message: str) -> None:
+    data = yaml.safe_load(GOOD)
+    mutate({t["id"]: t for t in data["transforms"]})
+    accepted, why = loader_accepts(data)
+    assert not accepted and message in why, why
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     keys=st.lists(ident, min_size=0, max_size=5, unique=True),

@@ -57,6 +57,35 @@ TABLE: list[tuple[str, dict[str, Any], list[tuple[str, State]]]] = [
         ("MODELS = {'a': 1, 'b': 3}\n", State.DRIFTED),
         ("if X:\n    MODELS = {'a': 1}\nelse:\n    MODELS = {'a': 1, 'b': 3}\n", State.DRIFTED),
     ]),
+    ("statements-replace", {"kind": "statements", "scope": "C.f", "old": "pass", "new": "self.hit = False"}, [
+        ("class C:\n    def f(self, a):\n        if a:\n            pass\n        return a\n", State.APPLIED),
+        ("class C:\n    def f(self, a):\n        if a:\n            self.hit = False\n", State.SUPERSEDED),
+        ("class C:\n    def f(self, a):\n        if a:\n            self.hit = True\n", State.DRIFTED),
+        # two sites where the contract says one: never a guess
+        ("class C:\n    def f(self, a):\n        if a:\n            pass\n        else:\n            pass\n",
+         State.DRIFTED),
+        ("class C:\n    def f(self, a):\n        pass\n        x = a\n        pass\n", State.DRIFTED),
+        ("class C:\n    def g(self):\n        pass\n", State.DRIFTED),  # no scope C.f
+    ]),
+    ("statements-block", {"kind": "statements", "scope": "f", "old": "a()\nb()", "new": "c()"}, [
+        ("def f():\n    a()  # first\n    b(\n    )\n    d()\n", State.APPLIED),
+        ("def f():\n    a()\n    d()\n    b()\n", State.DRIFTED),  # not consecutive
+        ("def f():\n    c()\n    d()\n", State.SUPERSEDED),
+    ]),
+    ("statements-after", {"kind": "statements", "after": "from .a import A", "new": "from .b import B"}, [
+        ("if TYPE_CHECKING:\n    from .a import A\n    from .z import Z\n", State.APPLIED),
+        ("if TYPE_CHECKING:\n    from .a import A\n    from .b import B\n", State.SUPERSEDED),
+        ("if TYPE_CHECKING:\n    from .z import Z\n", State.DRIFTED),
+    ]),
+    ("statements-top", {"kind": "statements", "scope": "f", "new": "if x is None:\n    return 0"}, [
+        ('def f(x):\n    """Doc."""\n    return x + 1\n', State.APPLIED),
+        ('def f(x):\n    """Doc."""\n    if x is None:\n        return 0\n    return x + 1\n', State.SUPERSEDED),
+    ]),
+    ("dict-entries-pairs", {"kind": "dict-entries", "name": "M", "after": "a", "entries": {"b": '"B"'}}, [
+        ('M = OrderedDict[str, str]([("a", "A"), ("c", "C")])\n', State.APPLIED),
+        ('M = OrderedDict([("a", "A"), ("b", "B"), ("c", "C")])\n', State.SUPERSEDED),
+        ('M = OrderedDict([("a", "A"), ("b", "X")])\n', State.DRIFTED),
+    ]),
     ("add-import", {"kind": "add-import", "module": "os"}, [
         ("x = 1\n", State.APPLIED),
         ("import os\nx = 1\n", State.SUPERSEDED),
