@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import git
@@ -229,3 +230,27 @@ def test_in_image_step_fails_loudly_on_drift(bundled: Path, corex_rootfs: Path, 
     assert fail and all(ln.startswith("[FAIL] unhardcode-enforce-eager ") for ln in fail)
     assert "create_model_config_v2" in fail[0] and "bi100-qwen36.yaml:" in fail[0]
     assert "nothing was written" in proc.stdout
+
+
+def test_in_image_step_runs_on_the_payload_alone(cli, adapter_args: list[str], corex_rootfs: Path,
+                                                 transformers_455: Path, tmp_path: Path) -> None:
+    """The image has none of this machine's packages: the step must run on the wheels the payload carries."""
+    data = yaml.safe_load(FLAGSHIP.read_text())
+    data["base_image"]["python"] = f"{sys.version_info[0]}.{sys.version_info[1]}"  # wheels this Python can load
+    data["patches"] = str(REPO / "patches/src")
+    recipe = tmp_path / "bi100-qwen36.yaml"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    out = tmp_path / "sub"
+    assert cli("build", recipe, "-o", out, *adapter_args).code == 0
+    site = tmp_path / "site"
+    for wheel in sorted((out / "toolkit_payload/wheels").glob("*.whl")):
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(site)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["PYTHONPATH"] = f"{site}:{out / 'toolkit_payload/src'}"
+    proc = subprocess.run([sys.executable, "-S", "-m", "toolkit.inimage", str(out / "toolkit_payload/recipe" /
+                           recipe.name), "--rootfs", str(corex_rootfs), "--package-root",
+                           f"transformers={transformers_site(corex_rootfs, transformers_455)}"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("== summary: ok")

@@ -17,15 +17,14 @@ from toolkit import __version__
 from toolkit.engine import Engine, commit, make_lock, run_packages
 from toolkit.errors import EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
 from toolkit.lint import lint
+from toolkit.pinned import parse_source_override, resolve_trees
 from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
 from toolkit.report import emit
 from toolkit.results import Report, Severity, State
 from toolkit.sources import (
     Root,
     package_roots,
-    parse_source_override,
     reference_root,
-    resolve_trees,
     rootfs_roots,
 )
 from toolkit.submission import build as build_submission

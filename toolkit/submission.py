@@ -15,10 +15,11 @@ import yaml
 
 from toolkit.errors import ToolkitError
 from toolkit.lint import lint
+from toolkit.pinned import SOURCE_INFO, source_info
 from toolkit.recipe import Deploy, LoadedRecipe, Recipe, ReplaceBody, Source
 from toolkit.render import PAYLOAD, render
 from toolkit.results import Issue, Severity
-from toolkit.sources import COMPLETE, SOURCE_INFO, source_info
+from toolkit.sources import COMPLETE
 from toolkit.variants import BASE, Variant, expand
 from toolkit.wheels import fetch_wheel, fetch_wheels
 

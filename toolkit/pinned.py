@@ -1,0 +1,131 @@
+"""Pinned sources (the model adapter): the files a recipe uses, read from a local clone at the pinned commit.
+
+Host-only: it needs GitPython, which the in-image step does not carry (that step reads what `toolkit build`
+bundled, or what apply.sh fetched).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import git
+
+from toolkit.errors import SourceError
+from toolkit.recipe import Deploy, Recipe, Source
+from toolkit.sources import cache_dir, cached_tree
+
+SOURCE_INFO = ".toolkit-source.json"  # beside the exported files: what was exported, from where, with digests
+
+
+def used_paths(recipe: Recipe, name: str) -> list[str]:
+    """The paths (files or folders, relative to the source's subdir) the recipe's transforms take from a source."""
+    return sorted({t.tree_path for t in recipe.transforms if isinstance(t, Deploy) and t.tree == name})
+
+
+def _blobs(tree: git.Tree, rel: str) -> dict[str, git.Blob]:
+    try:
+        obj = tree / rel
+    except KeyError:
+        return {}
+    if isinstance(obj, git.Blob):
+        return {rel: obj}
+    top = str(obj.path)
+    return {f"{rel}/{str(b.path)[len(top) + 1:]}": b for b in obj.traverse()
+            if isinstance(b, git.Blob) and b.mode != 0o120000}
+
+
+def resolve_commit(name: str, checkout: Path, rev: str) -> str:
+    """The full commit a revision names in a local clone (bare and --no-checkout clones work: git reads blobs)."""
+    try:
+        repo = git.Repo(checkout)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError):
+        raise SourceError(f"source {name}: {checkout} is not a git repository",
+                          hint=f"clone the adapter there (a bare clone is enough), or fix --source {name}=PATH"
+                          ) from None
+    try:
+        return str(repo.git.rev_parse("--verify", "--quiet", f"{rev}^{{commit}}"))
+    except git.GitCommandError:
+        raise SourceError(f"source {name}: commit {rev} is not in {checkout}",
+                          hint=f"git -C {checkout} fetch, or correct the pinned commit") from None
+
+
+def export_source(source: Source, checkout: Path, commit: str, paths: list[str]) -> Path:
+    """The files a recipe uses from a pinned commit of a local clone, as a plain tree (cached).
+
+    Blobs are read with git at the commit, so uncommitted edits, the work tree (or its absence) and files the
+    recipe does not use never reach a submission. `@name/path` is relative to the source's subdir.
+    """
+    commit = resolve_commit(source.name, checkout, commit)
+    key = hashlib.sha256(json.dumps([source.subdir, paths]).encode()).hexdigest()[:12]
+    target = cache_dir() / "sources" / f"{source.name}-{commit}-{key}"
+
+    def build(tree: Path, scratch: Path) -> None:
+        top = git.Repo(checkout).commit(commit).tree
+        if source.subdir:
+            try:
+                top = top / source.subdir
+            except KeyError:
+                raise SourceError(f"source {source.name}: no folder {source.subdir!r} at commit {commit[:12]}",
+                                  hint="fix sources[].subdir, or the pinned commit") from None
+        digests: dict[str, str] = {}
+        for rel in paths:
+            blobs = _blobs(top, rel)
+            if not blobs:
+                where = f"{source.subdir}/{rel}" if source.subdir else rel
+                raise SourceError(f"source {source.name}: {where} is not in commit {commit[:12]}",
+                                  hint="fix the deploy's @name/path, or the pinned commit")
+            for path, blob in blobs.items():
+                data = blob.data_stream.read()
+                out = tree / path
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(data)
+                os.chmod(out, 0o755 if blob.mode & 0o111 else 0o644)
+                digests[path] = hashlib.sha256(data.replace(b"\r\n", b"\n")).hexdigest()  # as the lock records
+        info = {"name": source.name, "git": source.git, "commit": commit, "subdir": source.subdir,
+                "files": dict(sorted(digests.items()))}
+        (tree / SOURCE_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+    return cached_tree(target, build)
+
+
+def source_info(tree: Path) -> dict[str, object]:
+    data = json.loads((tree / SOURCE_INFO).read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def parse_source_override(item: str) -> tuple[str, str, str | None]:
+    """NAME=PATH or NAME=PATH@COMMIT (the commit overrides the pin for one run)."""
+    name, sep, rest = item.partition("=")
+    if not sep or not name or not rest:
+        raise SourceError(f"--source {item!r}: expected NAME=PATH or NAME=PATH@COMMIT",
+                          hint="e.g. --source qwen36-adapter=../competition")
+    path, at, rev = rest.rpartition("@")
+    if at and path and re.fullmatch(r"[0-9a-fA-F]{7,40}", rev):
+        return name, path, rev.lower()
+    return name, rest, None
+
+
+def resolve_trees(recipe: Recipe, recipe_dir: Path,
+                  overrides: dict[str, tuple[str, str | None]]) -> tuple[dict[str, Path], dict[str, str]]:
+    """Each declared source with a local clone, its used files exported at the pinned (or overriding) commit.
+
+    Returns the trees and the commits actually exported, by source name.
+    """
+    unknown = sorted(set(overrides) - {s.name for s in recipe.sources})
+    if unknown:
+        raise SourceError(f"--source names no declared source: {', '.join(unknown)}",
+                          hint=f"declared: {', '.join(s.name for s in recipe.sources) or 'none'}")
+    trees: dict[str, Path] = {}
+    commits: dict[str, str] = {}
+    for source in recipe.sources:
+        local, rev = overrides.get(source.name, (source.path, None))
+        if local:
+            checkout = Path(local) if Path(local).is_absolute() or source.name in overrides else recipe_dir / local
+            tree = export_source(source, checkout.resolve(), rev or source.commit, used_paths(recipe, source.name))
+            trees[source.name] = tree
+            commits[source.name] = str(source_info(tree)["commit"])
+    return trees, commits
