@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from toolkit import __version__
 from toolkit.engine import Engine, commit, make_lock, run_packages
-from toolkit.errors import EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
+from toolkit.errors import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
 from toolkit.lint import lint
 from toolkit.pinned import parse_source_override, resolve_trees
 from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
@@ -49,7 +50,7 @@ EPILOG = """\
 exit codes:
   0  every transform APPLIED, ALREADY_APPLIED, SUPERSEDED or GATED_OFF (verify: no findings)
   1  a transform DRIFTED, or verify found a problem; nothing was written
-  2  bad recipe, bad arguments, missing files
+  2  bad recipe, bad arguments, missing files; preflight: a variant cannot start
   3  input drift: the vendor roots differ from each other, from the lock, or from vendor.version
   4  --strict only: a transform is SUPERSEDED (the patch may be removable)
 
@@ -261,6 +262,11 @@ def cmd_build(args: argparse.Namespace) -> int:
             *trial.notes, f"nothing was written; {outdir} was left as it was"))
         emit(report, as_json=args.json)
         return EXIT_FAILED
+    preflight_notes, refused = _build_preflight(loaded, trees, args)
+    if refused is not None:
+        emit(refused, as_json=args.json)
+        return EXIT_CANNOT_START
+    notes.extend(preflight_notes)
     rows: list[tuple[str, ...]] = []
     if args.all_variants:
         grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches, trees=trees)
@@ -389,6 +395,66 @@ def cmd_variants(args: argparse.Namespace) -> int:
                     extra={"variants": entries})
     emit(report, as_json=args.json)
     return EXIT_OK
+
+
+def _build_preflight(loaded: LoadedRecipe, trees: dict[str, Path],
+                     args: argparse.Namespace) -> tuple[list[str], Report | None]:
+    """Preflight of what the build writes, when the CPU runtime is here (a Report: refused, nothing written)."""
+    from toolkit.runtime import preflight
+    from toolkit.runtime.env import built
+
+    python = built()
+    if python is None:
+        return ["preflight not run: no CPU runtime here yet (`toolkit preflight RECIPE` builds it once, about a "
+                "minute; later builds then run the variants through the vendor's own code)"], None
+    if args.rootfs:
+        return ["preflight not run by build with --rootfs: run `toolkit preflight RECIPE --rootfs DIR` on the "
+                "applied roots"], None
+    variants = expand_variants(loaded.recipe)
+    if args.variant:
+        variants = [find_variant(loaded.recipe, args.variant)]
+    elif not args.all_variants:
+        variants = variants[:1]
+    else:  # the variants lint drops are not written; preflight checks the ones that are
+        variants = [v for v in variants if not [i for i in lint(loaded, v.apply(loaded.recipe), variant=v.name).issues
+                                                if i.severity is Severity.ERROR]]
+    started = time.monotonic()
+    outcomes, cached = preflight.cached_run(loaded, variants, trees, python)
+    how = "remembered from an earlier run" if cached else f"{time.monotonic() - started:.1f} s"
+    if all(o.starts for o in outcomes):
+        return [f"preflight: {len(outcomes)} variant(s) start in the patched vLLM's own config code ({how})"], None
+    report = preflight.report(loaded, outcomes, f"preflight before writing ({how})")
+    return [], dataclasses.replace(report, verb="build", notes=(*report.notes, "nothing was written"))
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from toolkit.runtime import preflight
+    from toolkit.runtime.env import runtime
+
+    loaded, trees = _trees(load_recipe(args.recipe), args)
+    variants = expand_variants(loaded.recipe)
+    if args.variant:
+        variants = [find_variant(loaded.recipe, args.variant)]
+    elif not args.all_variants:
+        variants = variants[:1]
+    python = runtime()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
+        if args.rootfs:
+            tree = preflight.given_tree(loaded, Path(args.rootfs), _package_root_args(args))
+        else:
+            tree = preflight.patched_copy(loaded, trees, Path(tmp))
+        print(f"preflight: {len(variants)} variant(s) through the vendor's own code in {tree.where}",
+              file=sys.stderr, flush=True)
+        outcomes = preflight.run(loaded, variants, tree, python,
+                                 Path(args.model_config) if args.model_config else None)
+    report = preflight.report(loaded, outcomes, f"ran on {tree.where}, {time.monotonic() - started:.1f} s")
+    emit(report, as_json=args.json)
+    return EXIT_OK if all(o.starts for o in outcomes) else EXIT_CANNOT_START
+
+
+def _package_root_args(args: argparse.Namespace) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in getattr(args, "package_root", None) or [] if "=" in item)
 
 
 def _workload(args: argparse.Namespace) -> tuple[str, list[Conversation]]:
@@ -606,6 +672,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show info-level notes too")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_lint)
+
+    p = sub.add_parser("preflight", help="run each variant's argv through the patched vLLM's own parser and config "
+                       "code on a CPU (accelerators emulated); exit 2 if a variant cannot start",
+                       description=cmd_preflight.__doc__ or None)
+    p.add_argument("recipe", help="the recipe YAML")
+    p.add_argument("--variant", metavar="NAME", help="one variant (see `toolkit variants`); default: the base")
+    p.add_argument("--all-variants", action="store_true", help="every variant of the recipe")
+    p.add_argument("--rootfs", metavar="DIR", help="vendor roots the recipe was applied to (default: a copy of the "
+                   "CoreX-like reference tree with the recipe applied, made for this run)")
+    p.add_argument("--source", action="append", metavar="NAME=PATH[@COMMIT]", help=SOURCE_HELP)
+    p.add_argument("--package-root", action="append", metavar="NAME=DIR", help="with --rootfs: where a declared "
+                   "package (e.g. transformers) is")
+    p.add_argument("--model-config", metavar="DIR", help="a folder with the served model's config.json (default: "
+                   "generated from the recipe's model: section)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_preflight)
 
     p = sub.add_parser("variants", help="list the expanded experiment variants with the lint result of each")
     p.add_argument("recipe", help="the recipe YAML")

@@ -5,6 +5,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILED = 1  # a transform DRIFTED, or verify found a problem
 EXIT_USAGE = 2  # bad recipe, bad arguments, missing files
+EXIT_CANNOT_START = 2  # preflight: the vendor's own code refuses a variant
 EXIT_INPUT_DRIFT = 3  # the vendor tree is not what the lock or the other roots say
 EXIT_SUPERSEDED = 4  # --strict only: a patch is no longer needed
 

@@ -180,9 +180,12 @@ class TransformBase(Strict):
     package: str | None = Field(
         default=None, description="The package whose roots this transform edits: vendor.package (default) or "
         "a name declared under packages (e.g. transformers); paths are relative to that package's roots")
+    requires: list[str] = Field(
+        default_factory=list, description="Ids of transforms whose files this one needs at run time (e.g. an import "
+        "of a deployed module): where they cannot be applied (a source not available here), neither is this one")
 
     # Fields that do not change what the transform does; a change to them must not make markers stale.
-    _provenance_fields: typing.ClassVar[frozenset[str]] = frozenset({"why", "remove_when"})
+    _provenance_fields: typing.ClassVar[frozenset[str]] = frozenset({"why", "remove_when", "requires"})
 
     @property
     def target_label(self) -> str:
@@ -438,6 +441,13 @@ class LinearAttention(Strict):
     conv_kernel: int = Field(default=4, ge=1)
 
 
+class ConfigFallback(Strict):
+    """A model the reference tree and the stock transformers know, with the same attention shape."""
+
+    model_type: str = Field(description="e.g. qwen2_moe")
+    architecture: Identifier = Field(description="e.g. Qwen2MoeForCausalLM")
+
+
 class ModelShape(Strict):
     """What the KV-cache estimate needs to know about the served model."""
 
@@ -450,6 +460,19 @@ class ModelShape(Strict):
     num_kv_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
     linear_attention: LinearAttention | None = None
+    architecture: Identifier | None = Field(
+        default=None, description="The architecture the served config.json declares, e.g. Qwen3_5MoeForCausalLM "
+        "(preflight resolves it through the patched registry)")
+    model_type: str | None = Field(default=None, description="The served config's model_type, e.g. qwen3_5_moe")
+    num_attention_heads: int | None = Field(
+        default=None, ge=1, description="Query heads of a full-attention layer (default hidden/head_dim)")
+    layers_block_type: bool = Field(
+        default=False, description="Whether the served config declares layers_block_type; without it vLLM 0.6.3 "
+        "counts every layer as attention when it sizes the KV cache")
+    config_fallback: ConfigFallback | None = Field(
+        default=None, description="What preflight builds the config as when the served model's config classes come "
+        "from a source that is not available here (the vendor's config checks still run; the architecture is not "
+        "checked, and the report says so)")
 
 
 class Source(Strict):
@@ -556,6 +579,16 @@ class Recipe(Strict):
             if tree is not None and tree not in names:
                 raise ValueError(f"transform {t.id} deploys from @{tree}, which is not declared under sources "
                                  f"(declared: {', '.join(sorted(names)) or 'none'})")
+        return self
+
+    @model_validator(mode="after")
+    def _known_requirements(self) -> Recipe:
+        ids = {t.id for t in self.transforms}
+        for t in self.transforms:
+            unknown = [r for r in t.requires if r not in ids or r == t.id]
+            if unknown:
+                raise ValueError(f"transform {t.id} requires {', '.join(unknown)}, which is not another transform "
+                                 "of this recipe")
         return self
 
     @model_validator(mode="after")

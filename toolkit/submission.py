@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -56,6 +57,37 @@ def resolved_recipe(recipe: Recipe) -> str:
     return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
+def in_image_modules(entry: str = "toolkit.inimage") -> list[Path]:
+    """The toolkit modules the in-image step imports (its import closure, read with ast), and their packages'
+    __init__ files: the payload ships these, not the CLI, Docker, git or benchmark code the image never runs."""
+    def path_of(module: str) -> Path | None:
+        parts = module.split(".")[1:]
+        if not parts:
+            return PACKAGE / "__init__.py"
+        rel = Path(*parts)
+        for candidate in (PACKAGE / rel.with_suffix(".py"), PACKAGE / rel / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+        return None
+
+    seen: set[Path] = set()
+    todo = [entry]
+    while todo:
+        path = path_of(todo.pop())
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        # importing a module runs its packages' __init__ first: they are part of the closure too
+        todo.extend(".".join(("toolkit", *parent.parts)) for parent in path.relative_to(PACKAGE).parents)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("toolkit"):
+                todo.append(node.module)
+                todo.extend(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                todo.extend(a.name for a in node.names if a.name.startswith("toolkit"))
+    return sorted(seen)
+
+
 def used_sources(recipe: Recipe) -> list[Source]:
     used = {t.tree for t in recipe.transforms if isinstance(t, Deploy) and t.tree}
     return [s for s in recipe.sources if s.name in used]
@@ -105,9 +137,8 @@ def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target
     payload = target / PAYLOAD
     _write(payload / "apply.sh", _lf(rendered.apply_sh), executable=True)
     _write(payload / "recipe" / recipe_file, _lf(resolved_recipe(recipe)))
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "__pycache__" not in path.parts:
-            _write(payload / "src" / "toolkit" / path.relative_to(PACKAGE), _lf(path.read_text(encoding="utf-8")))
+    for path in in_image_modules():
+        _write(payload / "src" / "toolkit" / path.relative_to(PACKAGE), _lf(path.read_text(encoding="utf-8")))
     for rel, path in patch_sources(loaded, recipe).items():
         data = path.read_bytes()
         # shipped text is LF whatever the checkout did to it; binary files go as they are

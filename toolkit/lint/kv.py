@@ -33,6 +33,8 @@ class KvEstimate:
     kv_available_gib: float
     max_model_len: int
     max_num_seqs: int
+    attention_layers: int  # what vLLM 0.6.3 allocates KV for
+    accounting: str  # which rule decided attention_layers, said in every finding
 
     @property
     def fits(self) -> bool:
@@ -53,7 +55,7 @@ class KvEstimate:
             f"+ activations {self.activations_gib:.2f} + overhead {self.overhead_gib:.2f} + linear-attention state "
             f"{self.linear_state_gib:.3f} ({self.max_num_seqs} seqs) + KV available {self.kv_available_gib:.2f}; "
             f"one {self.max_model_len}-token sequence needs {self.kv_needed_gib:.2f} GiB of KV "
-            f"({self.kv_per_token_bytes} B/token/card), room for {self.full_length_sequences:.1f}"
+            f"({self.kv_per_token_bytes} B/token/card, {self.accounting}), room for {self.full_length_sequences:.1f}"
         )
 
     def as_json(self) -> dict[str, float | int | bool]:
@@ -70,7 +72,15 @@ def estimate(model: ModelShape, *, card_gib: float, overhead_gib: float, tp: int
     full_layers = sum(1 for i in range(model.num_layers) if (i + 1) % model.full_attention_interval == 0)
     linear_layers = model.num_layers - full_layers
     kv_heads = max(1, model.num_kv_heads // tp)  # vLLM replicates KV heads when TP exceeds them
-    per_token = full_layers * 2 * kv_heads * model.head_dim * kv_dtype
+    # vLLM 0.6.3's ModelConfig.get_num_attention_layers: every layer, unless the config's layers_block_type says
+    if model.layers_block_type:
+        attention_layers, accounting = full_layers, f"{full_layers} full-attention layers (layers_block_type)"
+    else:
+        attention_layers = model.num_layers
+        accounting = (f"all {model.num_layers} layers: the served config declares no layers_block_type, so vLLM "
+                      "0.6.3 counts every layer as attention" if full_layers != model.num_layers
+                      else f"{model.num_layers} attention layers")
+    per_token = attention_layers * 2 * kv_heads * model.head_dim * kv_dtype
     tokens = -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE
     linear = 0
     if model.linear_attention is not None and linear_layers:
@@ -87,5 +97,6 @@ def estimate(model: ModelShape, *, card_gib: float, overhead_gib: float, tp: int
         card_gib=card_gib, budget_gib=budget / GIB, weights_gib=weights / GIB, activations_gib=activations / GIB,
         overhead_gib=overhead_gib, linear_state_gib=linear / GIB, kv_per_token_bytes=per_token,
         kv_needed_gib=tokens * per_token / GIB, kv_available_gib=available / GIB,
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, attention_layers=attention_layers,
+        accounting=accounting,
     )

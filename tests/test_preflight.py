@@ -1,0 +1,149 @@
+"""`toolkit preflight` and the patches at run time: the patched vLLM 0.6.3's own Python on the CPU runtime.
+
+The runtime (torch's CPU build and vLLM's pure-Python dependencies, never vLLM itself) is built once in
+~/.cache/vllm-toolkit/cpu-runtime, about a minute; the patched tree is what it imports.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import FLAGSHIP, REPO, roots_of
+
+from toolkit.runtime.env import runtime
+
+VENDOR_MESSAGE = "max_num_batched_tokens (8192) is smaller than max_model_len (245000)"
+
+
+@pytest.fixture(scope="session")
+def python() -> Path:
+    return runtime()
+
+
+def recipe_copy(tmp_path: Path, edit: Any) -> Path:
+    data = yaml.safe_load(FLAGSHIP.read_text())
+    data["patches"] = str(REPO / "patches/src")
+    edit(data)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "bi100-qwen36.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def by_variant(result: Any) -> dict[str, dict[str, Any]]:
+    return {v["variant"]: v for v in result.json()["variants"]}
+
+
+def stages(variant: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {s["stage"]: s for s in variant["stages"]}
+
+
+def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, standin: tuple[Path, str]) -> None:
+    clone, commit = standin
+    result = cli("preflight", FLAGSHIP, "--all-variants", "--source", f"qwen36-adapter={clone}@{commit}", "--json")
+    assert result.code == 2, result.err[-2000:]  # the variants without chunked prefill cannot start
+    variants = by_variant(result)
+    assert len(variants) == 20
+    base = stages(variants["base"])
+    assert all(s["ok"] for s in base.values()), base
+    assert base["architecture"]["message"].endswith("vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM")
+    assert base["tool-parser"]["ok"] and base["reasoning-parser"]["ok"]
+    assert variants["base"]["config"]["enforce_eager"] is True  # the flag is passed, and it now counts
+    refused = {name for name, v in variants.items() if not v["starts"]}
+    assert refused == {name for name in variants if name.endswith("ecp-false")}
+    failure = stages(variants["mnbt-8192_mns-1_ecp-false"])["engine-config"]
+    assert failure["type"] == "ValueError" and VENDOR_MESSAGE in failure["message"]
+    assert failure["where"].startswith("vllm/config.py:")
+    # lint drops the same variants: nothing either one misses
+    notes = result.json()["notes"]
+    assert not any("lint missed" in n or "not reproduced" in n for n in notes)
+    # the vendor's own KV block size, and lint's estimate agrees with it (every layer counted, no layers_block_type)
+    kv = variants["base"]["kv"]
+    assert kv == {"block_bytes": 16 * 40960, "block_size": 16, "bytes_per_token": 40960, "attention_layers": 40,
+                  "layers": 40}
+    assert any("40960 B/token/card, agrees with lint" in n for n in notes)
+
+
+def test_without_the_adapter_what_it_adds_is_not_checked(cli, python: Path) -> None:
+    result = cli("preflight", FLAGSHIP, "--json")
+    assert result.code == 0, result.err[-2000:]
+    notes = result.json()["notes"]
+    assert any("--reasoning-parser (added by source qwen36-adapter" in n for n in notes)
+    assert any("tool parser qwen3_coder (registered by source qwen36-adapter" in n for n in notes)
+    assert any("config_fallback" in n for n in notes)
+    assert by_variant(result)["base"]["config"]["max_model_len"] == 245000
+
+
+def test_unhardcoded_flags_count_and_the_vendor_forces_them(cli, python: Path, standin: tuple[Path, str],
+                                                           tmp_path: Path) -> None:
+    clone, commit = standin
+    source = ["--source", f"qwen36-adapter={clone}@{commit}", "--json"]
+
+    def without_flags(data: dict[str, Any]) -> None:
+        data["serve"]["args"].pop("enforce-eager")
+        data["serve"]["args"]["disable-custom-all-reduce"] = False
+
+    patched = cli("preflight", recipe_copy(tmp_path / "a", without_flags), *source)
+    config = by_variant(patched)["base"]["config"]
+    assert config["enforce_eager"] is False and config["disable_custom_all_reduce"] is False
+
+    def vendor_as_is(data: dict[str, Any]) -> None:
+        without_flags(data)
+        data["transforms"] = [t for t in data["transforms"] if not t["id"].startswith("unhardcode-")]
+
+    forced = by_variant(cli("preflight", recipe_copy(tmp_path / "b", vendor_as_is), *source))["base"]["config"]
+    assert forced["enforce_eager"] is True and forced["disable_custom_all_reduce"] is True
+
+
+def test_the_vendor_refuses_an_unknown_flag_and_parser(cli, python: Path, standin: tuple[Path, str],
+                                                      tmp_path: Path) -> None:
+    clone, commit = standin
+
+    def bad(data: dict[str, Any]) -> None:
+        data["serve"]["args"]["num-scheduler-stepz"] = 8
+        data["variants"] = {"other-parser": {"args": {"num-scheduler-stepz": None, "tool-call-parser": "qwen4"}},
+                            "tiny-batch": {"args": {"num-scheduler-stepz": None, "max-num-batched-tokens": 2}}}
+        data.pop("matrix")
+
+    result = cli("preflight", recipe_copy(tmp_path, bad), "--all-variants", "--source",
+                 f"qwen36-adapter={clone}@{commit}", "--json")
+    assert result.code == 2
+    variants = by_variant(result)
+    parse = stages(variants["base"])["parse"]
+    assert not parse["ok"] and "unrecognized arguments: --num-scheduler-stepz 8" in parse["message"]
+    parser = stages(variants["other-parser"])["tool-parser"]
+    assert not parser["ok"] and "invalid tool call parser: qwen4" in parser["message"]
+    # lint refuses those two as well; this one only the vendor's scheduler config does
+    tiny = stages(variants["tiny-batch"])["engine-config"]
+    assert not tiny["ok"] and "max_num_batched_tokens (2) must be greater than or equal to max_num_seqs (4)" \
+        in tiny["message"]
+    notes = result.json()["notes"]
+    assert any(n.startswith("tiny-batch: the vendor's code refuses what lint missed: engine-config") for n in notes)
+    assert not any(n.startswith(("base: the vendor", "other-parser: the vendor")) for n in notes)
+
+
+def test_openai_requests_accept_unknown_fields_only_when_patched(cli, python: Path, corex_rootfs: Path,
+                                                               flagship_args: list[str], vllm_063: Path) -> None:
+    """The patched ChatCompletionRequest accepts a newer client's fields; the vendor's rejects them."""
+    code = ("import json, sys\nfrom vllm.entrypoints.openai.protocol import ChatCompletionRequest\n"
+            "body = {'model': 'llm', 'messages': [{'role': 'user', 'content': 'hi'}], 'reasoning_effort': 'low'}\n"
+            "try:\n    ChatCompletionRequest(**body)\n    print('accepted')\n"
+            "except Exception as exc:\n    print('rejected', type(exc).__name__)\n")
+    version = "import importlib.metadata as m; r = m.version; m.version = lambda n: r(n) + '+cpu' " \
+              "if n == 'vllm' else r(n)\n"
+
+    def run(root: Path) -> str:
+        env = dict(os.environ, PYTHONPATH=str(root))
+        proc = subprocess.run([str(python), "-c", version + code], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.strip().splitlines()[-1]
+
+    vendor = run(roots_of(corex_rootfs)[0])
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
+    assert vendor == "rejected ValidationError"
+    assert run(roots_of(corex_rootfs)[0]) == "accepted"

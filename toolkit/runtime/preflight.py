@@ -1,0 +1,329 @@
+"""`toolkit preflight`: each variant's exact argv through the patched vendor tree's own parser, engine arguments
+and config construction, on a CPU with the recipe's accelerators emulated; then the parsers and the model's
+architecture through the patched registries, the env switches the deployed code reads, and the vendor's own KV
+cache block size. What the vendor raises is reported as it raised it, by variant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.engine import Engine, commit, run_packages
+from toolkit.errors import ToolkitError
+from toolkit.lint import lint
+from toolkit.lint.kv import GIB, estimate
+from toolkit.recipe import LoadedRecipe, ModelShape, Recipe
+from toolkit.render import argv
+from toolkit.results import Finding, Report, Severity
+from toolkit.sources import Root, cache_dir, package_roots, reference_root, rootfs_roots
+from toolkit.trial import reference_rootfs, untried_here
+from toolkit.variants import Variant
+
+PROBE = Path(__file__).with_name("probe.py")
+# read by the interpreter or the platform, not by code in the tree
+OUTSIDE_THE_TREE = ("PYTHON", "CUDA_", "NCCL_", "HF_", "TRANSFORMERS_", "OMP_")
+
+
+@dataclass(frozen=True)
+class Stage:
+    stage: str
+    ok: bool
+    message: str
+    type: str = ""
+    where: str = ""
+
+    def describe(self) -> str:
+        return f"{self.type}: {self.message}" if self.type else self.message
+
+
+@dataclass
+class Outcome:
+    """One variant: the vendor's verdict, stage by stage, and lint's."""
+
+    variant: str
+    stages: list[Stage] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    kv: dict[str, Any] = field(default_factory=dict)
+    lint_errors: list[str] = field(default_factory=list)  # "rule: message"
+    not_checked: list[str] = field(default_factory=list)
+
+    @property
+    def starts(self) -> bool:
+        return all(s.ok for s in self.stages)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"variant": self.variant, "starts": self.starts, "stages": [dict(s.__dict__) for s in self.stages],
+                "config": self.config, "kv": self.kv, "lint_errors": self.lint_errors,
+                "not_checked": self.not_checked}
+
+
+def model_config(model: ModelShape, max_model_len: int, folder: Path, fallback: bool = False) -> Path:
+    """A config.json with the recipe's model shape (no weights: the vendor's config code reads only this).
+
+    fallback: as the recipe's config_fallback model, when the served model's config classes are not here."""
+    if fallback and model.config_fallback is not None:
+        model = model.model_copy(update={"architecture": model.config_fallback.architecture,
+                                         "model_type": model.config_fallback.model_type})
+    if model.architecture is None or model.model_type is None:
+        raise ToolkitError("preflight needs the served model's architecture and model_type",
+                           hint="set model.architecture and model.model_type in the recipe, or pass "
+                           "--model-config DIR (a folder with the model's config.json)")
+    layers = ["attention" if (i + 1) % model.full_attention_interval == 0 else "linear_attention"
+              for i in range(model.num_layers)]
+    data: dict[str, Any] = {
+        "architectures": [model.architecture], "model_type": model.model_type, "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers, "head_dim": model.head_dim, "num_key_value_heads": model.num_kv_heads,
+        "num_attention_heads": model.num_attention_heads or model.hidden_size // model.head_dim,
+        "max_position_embeddings": max(max_model_len, 262144), "torch_dtype": model.dtype, "vocab_size": 32000,
+        "rms_norm_eps": 1e-6,
+    }
+    if model.layers_block_type:
+        data["layers_block_type"] = layers
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(data, indent=2))
+    return folder
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Where the patched packages are, first on the runtime's sys.path, and what could not be patched here."""
+
+    paths: list[Path]
+    vendor: Path
+    untried: dict[str, str]
+    where: str
+
+
+def patched_copy(loaded: LoadedRecipe, trees: dict[str, Path], work: Path) -> Tree:
+    """The recipe applied to a copy of the CoreX-like reference tree (and each package's release)."""
+    recipe = loaded.recipe
+    base, _ = reference_rootfs(recipe)
+    source = rootfs_roots(recipe, base)[0].path
+    vendor = work / "vendor"
+    shutil.copytree(source, vendor, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    untried = untried_here(recipe, trees)
+    engines = [Engine(loaded, [Root(recipe.vendor.roots[0], vendor)], None, trees=trees, skip=frozenset(untried),
+                      check_version=False, check_replaced=False)]
+    paths = [vendor]
+    for package in recipe.packages:
+        if not recipe.for_package(package.name) or package.trial_release is None:
+            continue
+        release = reference_root(package.trial_release, recipe.base_image.python, recipe.base_image.platform).path
+        target = work / package.name
+        shutil.copytree(release, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        engines.append(Engine(loaded, [Root(str(target), target)], None, trees=trees, skip=frozenset(untried),
+                              package=package.name))
+        paths.insert(0, target)
+    plan = run_packages(engines)
+    if not plan.ok:
+        drifted = sorted({r.transform for r in plan.results if not r.state.ok})
+        raise ToolkitError(f"the recipe does not apply to the reference tree: {', '.join(drifted)} DRIFTED",
+                           hint="see `toolkit diff RECIPE --reference`")
+    commit(plan.ops)
+    return Tree(paths, vendor, untried, f"a copy of {recipe.vendor.reference} (CoreX-like) with the recipe applied")
+
+
+def given_tree(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str]) -> Tree:
+    """Vendor roots the recipe was already applied to (an extracted image, a test rootfs)."""
+    recipe = loaded.recipe
+    vendor = rootfs_roots(recipe, rootfs)[0].path
+    paths = [vendor]
+    for package in recipe.packages:
+        if recipe.for_package(package.name):
+            paths.insert(0, package_roots(recipe, package.name, rootfs, given)[0].path)
+    return Tree(paths, vendor, {}, f"the patched roots under {rootfs}")
+
+
+def _missing_sources(recipe: Recipe, untried: dict[str, str]) -> set[str]:
+    return {str(getattr(t, "tree", "")) for t in recipe.transforms if t.id in untried} - {""}
+
+
+def _dropped_flags(recipe: Recipe, missing: set[str]) -> dict[str, str]:
+    """Flags provided by a source whose files could not be deployed here: not checked, said so."""
+    return {flag.lstrip("-"): s.name for s in recipe.sources if s.name in missing for flag in s.provides_flags}
+
+
+def _claimed_parsers(recipe: Recipe, missing: set[str]) -> dict[str, str]:
+    return {p: s.name for s in recipe.sources if s.name in missing for p in s.provides_tool_parsers}
+
+
+def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
+        model_dir: Path | None = None) -> list[Outcome]:
+    recipe = loaded.recipe
+    missing_sources = _missing_sources(recipe, tree.untried)
+    dropped = _dropped_flags(recipe, missing_sources)
+    claimed = _claimed_parsers(recipe, missing_sources)
+    fallback = bool(missing_sources) and model_dir is None and recipe.model is not None \
+        and recipe.model.config_fallback is not None
+    outcomes: list[Outcome] = []
+    requests = []
+    with tempfile.TemporaryDirectory(prefix="toolkit-preflight-") as tmp:
+        for variant in variants:
+            applied = variant.apply(recipe)
+            words = argv(applied)[3:]
+            outcome = Outcome(variant.name)
+            kept: list[str] = []
+            skip_value = False
+            for i, word in enumerate(words):
+                if skip_value:
+                    skip_value = False
+                    continue
+                name = word[2:] if word.startswith("--") else None
+                if name in dropped:
+                    outcome.not_checked.append(f"--{name} (added by source {dropped[name]}, not available here)")
+                    skip_value = i + 1 < len(words) and not words[i + 1].startswith("--")
+                    continue
+                kept.append(word)
+            max_len = applied.serve.args.get("max-model-len")
+            folder = model_dir or model_config(recipe.model or _no_model(), int(str(max_len or 4096)),
+                                               Path(tmp) / variant.name, fallback)
+            requests.append({"name": variant.name, "argv": kept, "model_dir": str(folder)})
+            outcome.lint_errors = [f"{i.rule}: {i.message}" for i in lint(loaded, applied, variant=variant.name).issues
+                                   if i.severity is Severity.ERROR]
+            outcomes.append(outcome)
+        request = {"hardware": {"count": recipe.hardware.count, "memory_gb": recipe.hardware.memory_gb},
+                   "variants": requests, "roots": [str(tree.vendor)], "env": sorted(recipe.env)}
+        # one process for every variant: importing vLLM once costs seconds
+        result = _probe(python, tree.paths, request)
+    by_name = {v["name"]: v for v in result["variants"]}
+    for outcome in outcomes:
+        data = by_name[outcome.variant]
+        outcome.stages = []
+        for s in data["stages"]:
+            stage = Stage(s["stage"], s["ok"], s["message"], s.get("type", ""), s.get("where", ""))
+            parser = str(recipe.serve.args.get("tool-call-parser") or "")
+            if stage.stage == "tool-parser" and not stage.ok and parser in claimed:
+                outcome.not_checked.append(f"tool parser {parser} (registered by source {claimed[parser]}, not "
+                                           "available here)")
+                continue
+            if stage.stage == "architecture" and fallback:
+                outcome.not_checked.append(f"the served architecture (config built as the recipe's config_fallback "
+                                           f"{stage.message.split(' -> ')[0]}: the served model's config classes come "
+                                           f"from {', '.join(sorted(missing_sources))})")
+                continue
+            outcome.stages.append(stage)
+        outcome.config = data.get("config", {})
+        outcome.kv = data.get("kv", {})
+        if missing_sources:
+            outcome.not_checked.append(f"what source(s) {', '.join(sorted(missing_sources))} register (tool and "
+                                       "reasoning parsers, the model's module) is checked by the in-image step")
+    env_reads = result.get("env", {})
+    for outcome in outcomes:
+        unread = [n for n, where in env_reads.items() if not where and not n.startswith(OUTSIDE_THE_TREE)]
+        if unread and not missing_sources:
+            outcome.stages.append(Stage("env", False, f"set by the recipe but read by no code in the patched tree: "
+                                        f"{', '.join(unread)}", "EnvUnread"))
+    return outcomes
+
+
+def _no_model() -> ModelShape:
+    raise ToolkitError("preflight needs the served model's shape",
+                       hint="add a `model:` section to the recipe, or pass --model-config DIR")
+
+
+def _probe(python: Path, paths: list[Path], request: dict[str, Any]) -> dict[str, Any]:
+    env = {"PYTHONPATH": ":".join(str(p) for p in paths), "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1"}
+    proc = subprocess.run([str(python), str(PROBE)], input=json.dumps(request), capture_output=True, text=True,
+                          env=env, timeout=600)
+    if proc.returncode != 0:
+        raise ToolkitError("the patched vLLM could not be imported on the CPU runtime:\n"
+                           + "\n".join(proc.stderr.strip().splitlines()[-12:]),
+                           hint="the traceback above is the vendor tree's own; `toolkit verify` checks it compiles")
+    try:
+        data = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        raise ToolkitError("the preflight probe printed no result: " + proc.stdout[-500:]) from None
+    return data if isinstance(data, dict) else {}
+
+
+def kv_summary(recipe: Recipe, outcome: Outcome) -> str | None:
+    """The vendor's KV block size against lint's estimate: the same bytes per token, and sequences per card."""
+    kv = outcome.kv
+    if not kv or recipe.model is None:
+        return None
+    args = outcome.config
+    est = estimate(recipe.model, card_gib=recipe.hardware.memory_gb, overhead_gib=recipe.hardware.runtime_overhead_gb,
+                   tp=int(args.get("tensor_parallel_size", 1)), max_model_len=int(args.get("max_model_len", 1)),
+                   max_num_seqs=int(args.get("max_num_seqs", 1)),
+                   max_num_batched_tokens=int(args.get("max_num_batched_tokens", 1)),
+                   gpu_memory_utilization=float(args.get("gpu_memory_utilization", 0.9)))
+    per_token = int(kv["bytes_per_token"])
+    fits = est.kv_available_gib * GIB / (per_token * int(args["max_model_len"]))
+    agree = "agrees with lint" if per_token == est.kv_per_token_bytes else (
+        f"DISAGREES with lint's {est.kv_per_token_bytes} B/token")
+    return (f"KV: the vendor's CacheEngine block is {kv['block_bytes']} B ({kv['block_size']} tokens, "
+            f"{kv['attention_layers']} of {kv['layers']} layers counted), {per_token} B/token/card, {agree}; "
+            f"{fits:.2f} sequence(s) of {args['max_model_len']} tokens fit per card in lint's "
+            f"{est.kv_available_gib:.2f} GiB")
+
+
+
+def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
+    """One row per variant, the vendor's failures as findings, and how preflight and lint agree."""
+    rows: list[tuple[str, ...]] = []
+    findings: list[Finding] = []
+    notes = [where]
+    unchecked = Counter(n for o in outcomes for n in dict.fromkeys(o.not_checked))
+    notes.extend(f"not checked here ({'every variant' if k == len(outcomes) else f'{k} of {len(outcomes)} variants'}"
+                 f"): {n}" for n, k in unchecked.items())
+    for o in outcomes:
+        failed = [s for s in o.stages if not s.ok]
+        detail = "; ".join(f"{s.stage}: {s.describe()}" for s in failed) or "; ".join(
+            s.message for s in o.stages if s.stage == "architecture")
+        if o.lint_errors and o.starts:
+            notes.append(f"{o.variant}: lint error not reproduced by the vendor's code (a GPU-only failure, or a lint "
+                         f"rule to revisit): {o.lint_errors[0]}")
+        if failed and not o.lint_errors:
+            notes.append(f"{o.variant}: the vendor's code refuses what lint missed: {failed[0].stage}: "
+                         f"{failed[0].describe()}")
+        rows.append((o.variant, "starts" if o.starts else "CANNOT START", "error" if o.lint_errors else "ok", detail))
+        findings.extend(Finding(s.stage, o.variant, s.where, s.describe()) for s in failed)
+    kv = kv_summary(loaded.recipe, outcomes[0]) if outcomes else None
+    if kv:
+        notes.append(f"{outcomes[0].variant}: {kv}")
+    starting = sum(o.starts for o in outcomes)
+    notes.append(f"{starting} of {len(outcomes)} variant(s) start; the others fail in the vendor's own code (exit 2)")
+    return Report("preflight", str(loaded.path), findings=tuple(findings), notes=tuple(notes),
+                  columns=("variant", "verdict", "lint", "detail"), rows=tuple(rows),
+                  extra={"variants": [o.as_json() for o in outcomes]})
+
+
+def _key(loaded: LoadedRecipe, variants: list[Variant], trees: dict[str, Path], python: Path) -> str:
+    """What a preflight result depends on: the recipe as resolved, the variants, the sources, the probe, the runtime."""
+    recipe = loaded.recipe.model_dump(mode="json")
+    recipe.pop("patches", None)
+    patches = sorted((p.relative_to(loaded.patches_dir).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
+                     for p in loaded.patches_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    sources = {name: str(tree) for name, tree in sorted(trees.items())}
+    raw = json.dumps([recipe, patches, [v.name for v in variants], sources, PROBE.read_text(), str(python)],
+                     sort_keys=True)
+    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def cached_run(loaded: LoadedRecipe, variants: list[Variant], trees: dict[str, Path],
+               python: Path) -> tuple[list[Outcome], bool]:
+    """run() on a patched copy of the reference tree, remembered by everything it depends on (True: from the cache).
+
+    `toolkit build` runs this: the same recipe built again does not pay the vendor's import twice."""
+    target = cache_dir() / "preflight" / f"{_key(loaded, variants, trees, python)}.json"
+    if target.is_file():
+        data = json.loads(target.read_text())
+        return [Outcome(d["variant"], [Stage(**s) for s in d["stages"]], d["config"], d["kv"], d["lint_errors"],
+                        d["not_checked"]) for d in data], True
+    with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
+        outcomes = run(loaded, variants, patched_copy(loaded, trees, Path(tmp)), python)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".tmp")
+    partial.write_text(json.dumps([o.as_json() for o in outcomes]))
+    partial.replace(target)
+    return outcomes, False

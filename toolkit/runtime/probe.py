@@ -1,0 +1,203 @@
+"""Runs inside the CPU runtime's Python, with a patched vendor tree first on sys.path: the vendor's own argument
+parser, engine arguments and config construction for each variant, with the target hardware emulated.
+
+Standard library only at the top: it is executed as a script (`python probe.py < request.json`), never imported
+by the toolkit. The shims are applied here, from outside the tree, before anything imports vllm:
+- `importlib.metadata.version("vllm")` gains `+cpu`: vLLM 0.6.3 decides its platform from that string;
+- a stand-in `pynvml` reports the recipe's device count, memory and compute capability, so the vendor's
+  config code sees the accelerators it will see on the platform (nothing touches a GPU);
+- `cuda_device_count_stateless` returns that count.
+Prints one JSON object on stdout; everything the vendor logs goes to stderr.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import sys
+import traceback
+import types
+from typing import Any
+
+
+def _shim_version() -> None:
+    real = importlib.metadata.version
+
+    def version(distribution_name: str) -> str:
+        found = real(distribution_name)
+        return found.split("+")[0] + "+cpu" if distribution_name == "vllm" else found
+
+    importlib.metadata.version = version
+
+
+def _shim_nvml(devices: int, memory_gb: float, capability: tuple[int, int]) -> None:
+    nvml = types.ModuleType("pynvml")
+    nvml.__file__ = "<toolkit preflight: emulated devices>"
+
+    class NVMLError(Exception):
+        pass
+
+    class Memory:
+        total = int(memory_gb * 2**30)
+        free = total
+        used = 0
+
+    def handle(index: int) -> int:
+        if not 0 <= index < devices:
+            raise NVMLError(f"no device {index}")
+        return index
+
+    nvml.NVMLError = NVMLError  # type: ignore[attr-defined]
+    nvml.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    nvml.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetCount = lambda: devices  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetHandleByIndex = handle  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetCudaComputeCapability = lambda h: capability  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetName = lambda h: "emulated accelerator"  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: Memory()  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetP2PStatus = lambda a, b, kind: 0  # type: ignore[attr-defined]
+    nvml.NVML_P2P_CAPS_INDEX_NVLINK = 0  # type: ignore[attr-defined]
+    nvml.NVML_P2P_STATUS_OK = 0  # type: ignore[attr-defined]
+    sys.modules["pynvml"] = nvml
+
+
+def _failure(stage: str, exc: BaseException) -> dict[str, Any]:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next(("vllm/" + f"{f.filename}:{f.lineno}".rsplit("/vllm/", 1)[1] for f in reversed(frames)
+                  if "/vllm/" in f.filename), "")
+    return {"stage": stage, "ok": False, "type": type(exc).__name__, "message": str(exc).strip() or repr(exc),
+            "where": where}
+
+
+def _variant(request: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils import FlexibleArgumentParser
+
+    stages: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"name": variant["name"], "stages": stages}
+    try:
+        parser = make_arg_parser(FlexibleArgumentParser(description="preflight"))
+        # argparse exits on an unknown flag: turn that into the vendor's own message
+        def refuse(status: int = 0, message: str | None = None) -> None:
+            raise SystemExit(message or f"exit {status}")
+
+        parser.exit = refuse
+        args = parser.parse_args(variant["argv"])
+        stages.append({"stage": "parse", "ok": True, "message": f"{len(variant['argv'])} argv item(s) parsed by the "
+                       "patched make_arg_parser"})
+    except (SystemExit, Exception) as exc:
+        stages.append(_failure("parse", exc))
+        return out
+    args.model = variant["model_dir"]
+    try:
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        config = engine_args.create_engine_config()
+    except Exception as exc:
+        stages.append(_failure("engine-config", exc))
+        return out
+    stages.append({"stage": "engine-config", "ok": True, "message": "create_engine_config accepted the arguments"})
+    out["config"] = {
+        "enforce_eager": config.model_config.enforce_eager,
+        "disable_custom_all_reduce": config.parallel_config.disable_custom_all_reduce,
+        "max_model_len": config.model_config.max_model_len,
+        "enable_chunked_prefill": config.scheduler_config.chunked_prefill_enabled,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "distributed_executor_backend": str(config.parallel_config.distributed_executor_backend),
+        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+        "block_size": config.cache_config.block_size,
+        "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
+    }
+    try:
+        from vllm.worker.cache_engine import CacheEngine
+
+        block = CacheEngine.get_cache_block_size(config.cache_config, config.model_config, config.parallel_config)
+        out["kv"] = {"block_bytes": block, "block_size": config.cache_config.block_size,
+                     "bytes_per_token": block // config.cache_config.block_size,
+                     "attention_layers": config.model_config.get_num_attention_layers(config.parallel_config),
+                     "layers": config.model_config.get_num_layers(config.parallel_config)}
+    except Exception as exc:
+        stages.append(_failure("kv", exc))
+    stages.extend(_registrations(args, config))
+    return out
+
+
+def _registrations(args: Any, config: Any) -> list[dict[str, Any]]:
+    stages: list[dict[str, Any]] = []
+    name = getattr(args, "tool_call_parser", None)
+    if name:
+        from vllm.entrypoints.openai.tool_parsers import ToolParserManager
+
+        known = sorted(ToolParserManager.tool_parsers)
+        stages.append({"stage": "tool-parser", "ok": name in known, "type": "" if name in known else "KeyError",
+                       "message": f"{name!r} registered" if name in known else
+                       f"invalid tool call parser: {name} (chose from {{ {','.join(known)} }})"})
+    reasoning = getattr(args, "reasoning_parser", None)
+    if reasoning:
+        try:
+            from vllm.reasoning import ReasoningParserManager
+
+            known = list(ReasoningParserManager.list_registered())
+            ok = reasoning in known
+            stages.append({"stage": "reasoning-parser", "ok": ok, "type": "" if ok else "KeyError",
+                           "message": f"{reasoning!r} registered" if ok else
+                           f"invalid reasoning parser: {reasoning} (registered: {', '.join(known)})"})
+        except Exception as exc:
+            stages.append(_failure("reasoning-parser", exc))
+    try:
+        from vllm.model_executor.models import ModelRegistry
+
+        architectures = list(getattr(config.model_config.hf_config, "architectures", None) or [])
+        cls, arch = ModelRegistry.resolve_model_cls(architectures)
+        stages.append({"stage": "architecture", "ok": True, "message": f"{arch} -> {cls.__module__}.{cls.__name__}"})
+    except Exception as exc:
+        stages.append(_failure("architecture", exc))
+    return stages
+
+
+def _env_reads(roots: list[str], names: list[str]) -> dict[str, list[str]]:
+    """Where in the patched trees each env name is read (by its string in a .py file)."""
+    found: dict[str, list[str]] = {n: [] for n in names}
+    patterns = {n: re.compile(rf"""["']{re.escape(n)}["']""") for n in names}
+    for root in roots:
+        for folder, _, files in os.walk(root):
+            for file in files:
+                if not file.endswith(".py"):
+                    continue
+                path = os.path.join(folder, file)
+                try:
+                    with open(path, encoding="utf-8", errors="replace") as handle:
+                        text = handle.read()
+                except OSError:
+                    continue
+                for name, pattern in patterns.items():
+                    if len(found[name]) < 3 and pattern.search(text):
+                        found[name].append(os.path.relpath(path, root))
+    return found
+
+
+def main() -> int:
+    request = json.load(sys.stdin)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # vLLM's logger writes to stdout: only the result goes there
+    hw = request["hardware"]
+    _shim_version()
+    major, minor = hw.get("capability", (7, 0))
+    _shim_nvml(hw["count"], hw["memory_gb"], (major, minor))
+    import vllm.utils
+
+    vllm.utils._cuda_device_count_stateless = lambda *a: hw["count"]
+    result: dict[str, Any] = {"vllm": vllm.utils.__file__.rsplit("/vllm/", 1)[0], "variants": []}
+    for variant in request["variants"]:
+        result["variants"].append(_variant(request, variant))
+    result["env"] = _env_reads(request["roots"], request["env"])
+    json.dump(result, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
