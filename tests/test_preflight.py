@@ -147,3 +147,16 @@ def test_openai_requests_accept_unknown_fields_only_when_patched(cli, python: Pa
     assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
     assert vendor == "rejected ValidationError"
     assert run(roots_of(corex_rootfs)[0]) == "accepted"
+
+
+def test_build_refuses_what_the_vendor_code_refuses(cli, python: Path, tmp_path: Path) -> None:
+    # lint has no rule for this one; the vendor's scheduler config refuses it at start
+    recipe = recipe_copy(tmp_path / "r", lambda d: d["serve"]["args"].update({"max-num-batched-tokens": 2}))
+    out = tmp_path / "sub"
+    result = cli("build", recipe, "-o", out, "--json")
+    assert result.code == 2 and not out.exists()
+    report = result.json()
+    assert report["verb"] == "build" and "nothing was written" in report["notes"]
+    assert any("must be greater than or equal to max_num_seqs" in f["message"] for f in report["findings"])
+    again = cli("build", recipe_copy(tmp_path / "ok", lambda d: None), "-o", out, "--json")
+    assert again.code == 0 and any(n.startswith("preflight: 1 variant(s) start") for n in again.json()["notes"])

@@ -415,9 +415,11 @@ def _build_preflight(loaded: LoadedRecipe, trees: dict[str, Path],
         variants = [find_variant(loaded.recipe, args.variant)]
     elif not args.all_variants:
         variants = variants[:1]
-    else:  # the variants lint drops are not written; preflight checks the ones that are
-        variants = [v for v in variants if not [i for i in lint(loaded, v.apply(loaded.recipe), variant=v.name).issues
-                                                if i.severity is Severity.ERROR]]
+    # what lint refuses is refused by the build with lint's message; preflight checks what would be written
+    variants = [v for v in variants if not [i for i in lint(loaded, v.apply(loaded.recipe), variant=v.name).issues
+                                            if i.severity is Severity.ERROR]]
+    if not variants:
+        return [], None
     started = time.monotonic()
     outcomes, cached = preflight.cached_run(loaded, variants, trees, python)
     how = "remembered from an earlier run" if cached else f"{time.monotonic() - started:.1f} s"
