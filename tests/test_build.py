@@ -254,3 +254,12 @@ def test_in_image_step_runs_on_the_payload_alone(cli, adapter_args: list[str], c
                           capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.rstrip().splitlines()[-1].startswith("== summary: ok")
+
+
+def test_the_payload_holds_the_packages_a_module_runs_under() -> None:
+    from toolkit.submission import PACKAGE, in_image_modules
+
+    shipped = {p.relative_to(PACKAGE).as_posix() for p in in_image_modules("toolkit.runtime.env")}
+    # importing toolkit.runtime.env runs toolkit/runtime/__init__.py first, though nothing imports it by name
+    assert {"__init__.py", "runtime/__init__.py", "runtime/env.py", "pyenv.py"} <= shipped
+    assert not {p for p in shipped if p.startswith(("bench/", "cli.py", "image.py", "pinned.py"))}

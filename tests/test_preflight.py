@@ -160,3 +160,12 @@ def test_build_refuses_what_the_vendor_code_refuses(cli, python: Path, tmp_path:
     assert any("must be greater than or equal to max_num_seqs" in f["message"] for f in report["findings"])
     again = cli("build", recipe_copy(tmp_path / "ok", lambda d: None), "-o", out, "--json")
     assert again.code == 0 and any(n.startswith("preflight: 1 variant(s) start") for n in again.json()["notes"])
+
+
+def test_the_accelerator_count_is_the_recipes(cli, python: Path, standin: tuple[Path, str], tmp_path: Path) -> None:
+    clone, commit = standin
+    recipe = recipe_copy(tmp_path, lambda d: d["hardware"].update(count=2))  # TP 4 on two cards
+    result = cli("preflight", recipe, "--source", f"qwen36-adapter={clone}@{commit}", "--json")
+    assert result.code == 2
+    failed = [s for s in by_variant(result)["base"]["stages"] if not s["ok"]]
+    assert failed and failed[0]["stage"] == "engine-config", failed
