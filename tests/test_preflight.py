@@ -169,3 +169,30 @@ def test_the_accelerator_count_is_the_recipes(cli, python: Path, standin: tuple[
     assert result.code == 2
     failed = [s for s in by_variant(result)["base"]["stages"] if not s["ok"]]
     assert failed and failed[0]["stage"] == "engine-config", failed
+
+
+# each prior-art launch that died at start: the vendor code's verdict, or why only a GPU (or lint) can tell
+PRIOR_ART = {
+    "prior-no-chunked-prefill": ("engine-config", "max_num_batched_tokens (8192) is smaller than max_model_len"),
+    "prior-flashinfer": ("attention-backend", "vLLM selects FLASHINFER, which the image cannot load"),
+    "prior-multi-step-xformers": ("multi-step", "Multi-Step not supported for attention backend: xformers"),
+    "prior-multi-step-chunked": ("multi-step", "Multi-Step + Chunked-Prefill not supported for attention backend"),
+    "prior-cuda-graphs": (None, "GPU only: CUDA graph capture hangs on the device; the config is valid"),
+    "prior-kv-oom": (None, "GPU only: the KV cache is sized from the profiled free memory on the device"),
+    "prior-short-context": (None, "not a start failure: the server starts, the workload's prompts do not fit"),
+    "prior-workdir-shadow": (None, "the image's import order, not vLLM's code: lint and the in-image step see it"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRIOR_ART))
+def test_prior_art_in_the_vendor_code(cli, python: Path, name: str) -> None:
+    stage, text = PRIOR_ART[name]
+    result = cli("preflight", REPO / "tests/recipes" / f"{name}.yaml", "--json")
+    variant = by_variant(result)["base"]
+    failed = [s for s in variant["stages"] if not s["ok"]]
+    assert variant["lint_errors"], "lint refuses every one of them"
+    if stage is None:
+        assert result.code == 0 and failed == [], text
+        assert any("lint error not reproduced by the vendor's code" in n for n in result.json()["notes"])
+    else:
+        assert result.code == 2 and [s["stage"] for s in failed] == [stage] and text in failed[0]["message"]

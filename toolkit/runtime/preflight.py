@@ -185,11 +185,12 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
             max_len = applied.serve.args.get("max-model-len")
             folder = model_dir or model_config(recipe.model or _no_model(), int(str(max_len or 4096)),
                                                Path(tmp) / variant.name, fallback)
-            requests.append({"name": variant.name, "argv": kept, "model_dir": str(folder)})
+            requests.append({"name": variant.name, "argv": kept, "model_dir": str(folder), "env": dict(applied.env)})
             outcome.lint_errors = [f"{i.rule}: {i.message}" for i in lint(loaded, applied, variant=variant.name).issues
                                    if i.severity is Severity.ERROR]
             outcomes.append(outcome)
         request = {"hardware": {"count": recipe.hardware.count, "memory_gb": recipe.hardware.memory_gb},
+                   "attention_backends": recipe.base_image.attention_backends,
                    "variants": requests, "roots": [str(tree.vendor)], "env": sorted(recipe.env)}
         # one process for every variant: importing vLLM once costs seconds
         result = _probe(python, tree.paths, request)

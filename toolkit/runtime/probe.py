@@ -3,16 +3,15 @@ parser, engine arguments and config construction for each variant, with the targ
 
 Standard library only at the top: it is executed as a script (`python probe.py < request.json`), never imported
 by the toolkit. The shims are applied here, from outside the tree, before anything imports vllm:
-- `importlib.metadata.version("vllm")` gains `+cpu`: vLLM 0.6.3 decides its platform from that string;
-- a stand-in `pynvml` reports the recipe's device count, memory and compute capability, so the vendor's
-  config code sees the accelerators it will see on the platform (nothing touches a GPU);
+- a stand-in `pynvml` reports the recipe's device count, memory and compute capability, so vLLM takes the CUDA
+  platform, as on the image, and its config code sees the accelerators it will see there (nothing touches a GPU;
+  the `+cpu` version trick of ../shared/VLLM_CPU.md is for running layers on the CPU, which this does not do);
 - `cuda_device_count_stateless` returns that count.
 Prints one JSON object on stdout; everything the vendor logs goes to stderr.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
@@ -20,16 +19,6 @@ import sys
 import traceback
 import types
 from typing import Any
-
-
-def _shim_version() -> None:
-    real = importlib.metadata.version
-
-    def version(distribution_name: str) -> str:
-        found = real(distribution_name)
-        return found.split("+")[0] + "+cpu" if distribution_name == "vllm" else found
-
-    importlib.metadata.version = version
 
 
 def _shim_nvml(devices: int, memory_gb: float, capability: tuple[int, int]) -> None:
@@ -72,12 +61,23 @@ def _failure(stage: str, exc: BaseException) -> dict[str, Any]:
 
 
 def _variant(request: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]:
+    stages: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"name": variant["name"], "stages": stages}
+    saved = dict(os.environ)
+    os.environ.update(variant.get("env", {}))  # the run config's env: vLLM reads some of it while it configures
+    try:
+        return _stages(request, variant, out, stages)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _stages(request: dict[str, Any], variant: dict[str, Any], out: dict[str, Any],
+            stages: list[dict[str, Any]]) -> dict[str, Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils import FlexibleArgumentParser
 
-    stages: list[dict[str, Any]] = []
-    out: dict[str, Any] = {"name": variant["name"], "stages": stages}
     try:
         parser = make_arg_parser(FlexibleArgumentParser(description="preflight"))
         # argparse exits on an unknown flag: turn that into the vendor's own message
@@ -122,8 +122,48 @@ def _variant(request: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]
                      "layers": config.model_config.get_num_layers(config.parallel_config)}
     except Exception as exc:
         stages.append(_failure("kv", exc))
+    stages.extend(_attention(request, config))
     stages.extend(_registrations(args, config))
     return out
+
+
+# what each backend's get_name() says (the multi-step runner compares those strings)
+_BACKEND_NAMES = {"XFORMERS": "xformers", "FLASH_ATTN": "flash-attn", "FLASHINFER": "flashinfer",
+                  "ROCM_FLASH": "rocm-flash-attn", "TORCH_SDPA": "torch-sdpa"}
+
+
+def _attention(request: dict[str, Any], config: Any) -> list[dict[str, Any]]:
+    """The backend vLLM's own selector picks on the emulated device, and what the model load then refuses."""
+    try:
+        from vllm.attention.selector import which_attn_to_use
+
+        mc, cc = config.model_config, config.cache_config
+        backend = which_attn_to_use(mc.get_head_size(), mc.get_sliding_window(), mc.dtype, cc.cache_dtype,
+                                    cc.block_size, mc.is_attention_free).name
+    except Exception as exc:
+        return [_failure("attention-backend", exc)]
+    loadable = request.get("attention_backends") or []
+    stages = [{"stage": "attention-backend", "ok": backend in loadable, "type": "" if backend in loadable else
+               "ImportError", "message": f"vLLM selects {backend}" + (
+                   "" if backend in loadable else f", which the image cannot load (it has {', '.join(loadable)}): "
+                   "the model fails to load")}]
+    if config.scheduler_config.is_multi_step:
+        try:
+            from vllm.worker.multi_step_model_runner import _get_supported_attention_backends
+
+            chunked = config.scheduler_config.chunked_prefill_enabled
+            supported = _get_supported_attention_backends(chunked)
+            name = _BACKEND_NAMES.get(backend, backend.lower())
+            ok = name in supported
+            what = "Multi-Step + Chunked-Prefill" if chunked else "Multi-Step"
+            stages.append({"stage": "multi-step", "ok": ok, "type": "" if ok else "ValueError",
+                           "where": "vllm/worker/multi_step_model_runner.py",
+                           "message": f"{what} with {name}" if ok else f"{what} not supported for attention backend: "
+                           f"{name} (MultiStepModelRunner raises this when the model loads; supported: "
+                           f"{', '.join(supported)})"})
+        except Exception as exc:
+            stages.append(_failure("multi-step", exc))
+    return stages
 
 
 def _registrations(args: Any, config: Any) -> list[dict[str, Any]]:
@@ -185,7 +225,6 @@ def main() -> int:
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM's logger writes to stdout: only the result goes there
     hw = request["hardware"]
-    _shim_version()
     major, minor = hw.get("capability", (7, 0))
     _shim_nvml(hw["count"], hw["memory_gb"], (major, minor))
     import vllm.utils
