@@ -6,6 +6,7 @@ The runtime (torch's CPU build and vLLM's pure-Python dependencies, never vLLM i
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -196,3 +197,18 @@ def test_prior_art_in_the_vendor_code(cli, python: Path, name: str) -> None:
         assert any("lint error not reproduced by the vendor's code" in n for n in result.json()["notes"])
     else:
         assert result.code == 2 and [s["stage"] for s in failed] == [stage] and text in failed[0]["message"]
+
+
+def test_attention_patches_with_vllms_own_metadata(cli, python: Path, corex_rootfs: Path,
+                                                  flagship_args: list[str]) -> None:
+    """The head_dim-256 SDPA fallback and the prefix dispatch, called as vLLM calls them (its XFormersMetadata,
+    its paged-cache shape and views, non-contiguous blocks), return what dense attention returns."""
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
+    env = dict(os.environ, PYTHONPATH=str(roots_of(corex_rootfs)[1]))
+    proc = subprocess.run([str(python), str(REPO / "tests/runtime_attention.py")], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["sdpa_fallback_1"]["max_abs_diff"] < 1e-5
+    assert got["sdpa_fallback_0"] == {"error": "the vendor's xFormers path ran"}  # switch off: not the fast path
+    assert got["prefix"]["max_abs_diff"] < 1e-5
