@@ -311,3 +311,14 @@ def test_reference_085_reports_upstream_changes(cli, vllm_085: Path, adapter_arg
     assert replaced["recipe_line"] == line_of("- id: adapter-replace-protocol")
     # the edit of the replacement still lands on the replacement's own content
     assert got["openai-accept-unknown-fields"]["state"] == "APPLIED"
+
+
+def test_a_replaced_vendor_file_that_is_gone_is_drift(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    for root in roots_of(corex_rootfs):
+        (root / "vllm/entrypoints/openai/protocol.py").unlink()
+    before = tree_digest(corex_rootfs)
+    result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
+    assert result.code == 1 and tree_digest(corex_rootfs) == before
+    found = [r for r in result.json()["results"] if r["transform"] == "adapter-replace-protocol"]
+    assert [r["state"] for r in found] == ["DRIFTED", "DRIFTED"]
+    assert all("the vendor file this deploy replaces is missing" in r["message"] for r in found)

@@ -193,7 +193,7 @@ class Engine:
                 raise InputDriftError(
                     f"{package} {version} in {self.roots[0].label} does not satisfy {field} {self.version_spec} "
                     f"({self.loaded.path}:{line})",
-                    hint="the base image changed: review the transforms against it, then update vendor.version",
+                    hint=f"the base image changed: review the transforms against it, then update {field}",
                 )
         return versions
 
@@ -234,6 +234,11 @@ class Engine:
         """The input of a file this recipe deploys and then patches: the deployed source, or our own result."""
         source, spec = self.deployed[rel]
         self.plan.pristine[rel] = sha256(source)
+        if current is None and spec.replaces is not None:
+            kind = self.files[spec.id]
+            assert isinstance(kind, DeployKind)
+            if (broken := kind.contract(rel, None, {}, source)) is not None:
+                self.broken[rel] = broken  # a replacement of a file that is not there: the vendor tree changed
         if current is None or current == source:
             return source
         files = state.get("files", {})
