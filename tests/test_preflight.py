@@ -212,3 +212,21 @@ def test_attention_patches_with_vllms_own_metadata(cli, python: Path, corex_root
     assert got["sdpa_fallback_1"]["max_abs_diff"] < 1e-5
     assert got["sdpa_fallback_0"] == {"error": "the vendor's xFormers path ran"}  # switch off: not the fast path
     assert got["prefix"]["max_abs_diff"] < 1e-5
+
+
+def test_adapter_blocks_with_vllms_layers_switch_by_switch(cli, python: Path, corex_rootfs: Path,
+                                                         flagship_args: list[str]) -> None:
+    """The stand-in adapter's MoE block with its experts held and loaded by vLLM's FusedMoE, its gated norm loaded
+    by vLLM's loader, its GatedDeltaNet rule prefill then decode: each switch off and on gives the same outputs,
+    and with it on the native path is what ran."""
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
+    env = dict(os.environ, PYTHONPATH=str(roots_of(corex_rootfs)[1]))
+    proc = subprocess.run([str(python), str(REPO / "tests/runtime_adapter.py")], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert sorted(got) == ["CHUNK_PARALLEL", "MOE_NATIVE", "RMSNORM_NATIVE"]
+    for switch, result in got.items():
+        assert result["smallest_output"] > 1e-3, switch  # not an all-zero output compared with itself
+        assert result["max_abs_diff"] < 1e-4, (switch, result)
+        assert result["native_ran_when_on"] and not result["native_ran_when_off"], (switch, result)

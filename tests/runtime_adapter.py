@@ -1,0 +1,92 @@
+"""Run by the CPU runtime's Python with a patched vendor root first on sys.path (see test_preflight.py): the
+stand-in adapter's blocks with their weights held and loaded by vLLM's own layers (FusedMoE and its
+weight_loader, default_weight_loader), prefill then decode, every native switch off and on. Prints one JSON object:
+per switch, the largest difference between the two and whether the native path is what ran (profiling record).
+"""
+
+import json
+import os
+import socket
+import sys
+
+import torch
+
+os.environ.update(NATIVE_PROFILE="1", MOE_SMALL_BATCH_VARIANT="segments")  # fixed path names to look for
+
+
+def distributed():
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    initialize_model_parallel(1, 1)
+
+
+def compare(name, call, profile_name, results):
+    from native_fastpaths import profiling
+
+    outputs = {}
+    ran = {}
+    for switch in ("0", "1"):
+        os.environ[name] = switch
+        profiling._totals.clear()
+        with torch.no_grad():
+            outputs[switch] = call()
+        ran[switch] = profile_name in profiling._totals
+    diffs = [float((a.double() - b.double()).abs().max()) for a, b in zip(outputs["0"], outputs["1"], strict=True)]
+    results[name] = {"max_abs_diff": max(diffs), "native_ran_when_on": ran["1"], "native_ran_when_off": ran["0"],
+                     "smallest_output": min(float(o.double().abs().max()) for o in outputs["0"])}
+
+
+def main():
+    distributed()
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    from vllm.model_executor.models import qwen3_5
+
+    g = torch.Generator().manual_seed(0)
+    results = {}
+
+    experts, top_k, hidden, inter = 8, 2, 16, 6
+    block = qwen3_5.Qwen3_5MoeSparseBlock(experts, top_k, hidden, inter)
+    block.experts = FusedMoE(num_experts=experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
+                             params_dtype=torch.float32, reduce_results=False, renormalize=True)
+    for e in range(experts):  # an HF checkpoint's per-expert tensors, through vLLM's own loader
+        for shard, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+            param = block.experts.w2_weight if shard == "w2" else block.experts.w13_weight
+            block.experts.weight_loader(param, torch.randn(*shape, generator=g) / 4, f"experts.{e}.{shard}.weight",
+                                        shard_id=shard, expert_id=e)
+    prefill_x, decode_x = torch.randn(5, hidden, generator=g), torch.randn(1, hidden, generator=g)
+    prefill_r, decode_r = torch.randn(5, experts, generator=g), torch.randn(1, experts, generator=g)
+    compare("MOE_NATIVE", lambda: (block._pure_pytorch_experts(prefill_x, prefill_r),
+                                   block._pure_pytorch_experts(decode_x, decode_r)), "moe.segments", results)
+
+    norm = qwen3_5.Qwen3_5RMSNormGated(12)
+    default_weight_loader(norm.weight, torch.rand(12, generator=g) + 0.5)
+    rows = torch.randn(40, 12, generator=g)
+    compare("RMSNORM_NATIVE", lambda: (norm(rows, rows * 2), norm(rows[:4], rows[:4] - 1)), "norm.gated", results)
+
+    q, k = torch.randn(1, 71, 2, 8, generator=g), torch.randn(1, 71, 2, 8, generator=g)
+    v = torch.randn(1, 71, 4, 12, generator=g)
+    gate, beta = -torch.rand(1, 71, 4, generator=g), torch.rand(1, 71, 4, generator=g)
+    state0 = torch.zeros(1, 4, 8, 12)
+
+    def prefill_then_decode():
+        out, state = qwen3_5._torch_chunk_gated_delta_rule(
+            q[:, :70], k[:, :70], v[:, :70], gate[:, :70], beta[:, :70], initial_state=state0.clone(),
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        step, final = qwen3_5._torch_chunk_gated_delta_rule(
+            q[:, 70:], k[:, 70:], v[:, 70:], gate[:, 70:], beta[:, 70:], initial_state=state.clone(),
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return out, step, final
+
+    compare("CHUNK_PARALLEL", prefill_then_decode, "gdn.chunk", results)
+    json.dump(results, sys.__stdout__)
+
+
+if __name__ == "__main__":
+    sys.stdout = sys.stderr
+    main()
