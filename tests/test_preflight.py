@@ -88,10 +88,14 @@ def test_unhardcoded_flags_count_and_the_vendor_forces_them(cli, python: Path, s
     def without_flags(data: dict[str, Any]) -> None:
         data["serve"]["args"].pop("enforce-eager")
         data["serve"]["args"]["disable-custom-all-reduce"] = False
+        data["variants"] = {"with-flags": {"args": {"enforce-eager": True, "disable-custom-all-reduce": True}}}
+        data.pop("matrix")
 
-    patched = cli("preflight", recipe_copy(tmp_path / "a", without_flags), *source)
-    config = by_variant(patched)["base"]["config"]
+    patched = by_variant(cli("preflight", recipe_copy(tmp_path / "a", without_flags), "--all-variants", *source))
+    config = patched["base"]["config"]
     assert config["enforce_eager"] is False and config["disable_custom_all_reduce"] is False
+    flagged = patched["with-flags"]["config"]
+    assert flagged["enforce_eager"] is True and flagged["disable_custom_all_reduce"] is True
 
     def vendor_as_is(data: dict[str, Any]) -> None:
         without_flags(data)
