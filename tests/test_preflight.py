@@ -164,7 +164,10 @@ def test_build_refuses_what_the_vendor_code_refuses(cli, python: Path, tmp_path:
     assert report["verb"] == "build" and "nothing was written" in report["notes"]
     assert any("must be greater than or equal to max_num_seqs" in f["message"] for f in report["findings"])
     again = cli("build", recipe_copy(tmp_path / "ok", lambda d: None), "-o", out, "--json")
-    assert again.code == 0 and any(n.startswith("preflight: 1 variant(s) start") for n in again.json()["notes"])
+    said = [n for n in again.json()["notes"] if n.startswith("preflight: 1 variant(s) start")]
+    assert again.code == 0 and len(said) == 1
+    # fetch mode: what the adapter adds was not checked, and the build says so instead of claiming it
+    assert "not checked here, left to the in-image step: --reasoning-parser" in said[0]
 
 
 def test_the_accelerator_count_is_the_recipes(cli, python: Path, standin: tuple[Path, str], tmp_path: Path) -> None:

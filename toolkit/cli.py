@@ -424,7 +424,10 @@ def _build_preflight(loaded: LoadedRecipe, trees: dict[str, Path],
     outcomes, cached = preflight.cached_run(loaded, variants, trees, python)
     how = "remembered from an earlier run" if cached else f"{time.monotonic() - started:.1f} s"
     if all(o.starts for o in outcomes):
-        return [f"preflight: {len(outcomes)} variant(s) start in the patched vLLM's own config code ({how})"], None
+        unchecked = sorted({n for o in outcomes for n in o.not_checked})
+        left = f"; not checked here, left to the in-image step: {'; '.join(unchecked)}" if unchecked else ""
+        said = f"preflight: {len(outcomes)} variant(s) start in the patched vLLM's own config code ({how}){left}"
+        return [said], None
     report = preflight.report(loaded, outcomes, f"preflight before writing ({how})")
     return [], dataclasses.replace(report, verb="build", notes=(*report.notes, "nothing was written"))
 
