@@ -199,6 +199,8 @@ def test_transformers_root_must_be_given_on_a_host(cli, corex_rootfs: Path, adap
     wrong = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *adapter_args,
                 "--package-root", f"transformers={corex_rootfs / TRANSFORMERS_SITE / 'transformers'}")
     assert wrong.code == 2 and "not transformers/ itself" in wrong.err
+    malformed = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *adapter_args, "--package-root", "transformers")
+    assert malformed.code == 2 and "--package-root 'transformers': expected NAME=DIR" in malformed.err
 
 
 def _flagship_copy(tmp_path: Path, edit: Any) -> Path:

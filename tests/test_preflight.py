@@ -36,6 +36,15 @@ def recipe_copy(tmp_path: Path, edit: Any) -> Path:
     return path
 
 
+def run_on_patched_tree(cli: Any, python: Path, rootfs: Path, flagship_args: list[str], script: str) -> Any:
+    """Apply the flagship, then run a tests/ script in the runtime with the patched root first: its JSON."""
+    assert cli("apply", FLAGSHIP, "--rootfs", rootfs, *flagship_args).code == 0
+    env = dict(os.environ, PYTHONPATH=str(roots_of(rootfs)[1]))
+    proc = subprocess.run([str(python), str(REPO / "tests" / script)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 def by_variant(result: Any) -> dict[str, dict[str, Any]]:
     return {v["variant"]: v for v in result.json()["variants"]}
 
@@ -210,12 +219,7 @@ def test_attention_patches_with_vllms_own_metadata(cli, python: Path, corex_root
                                                   flagship_args: list[str]) -> None:
     """The head_dim-256 SDPA fallback and the prefix dispatch, called as vLLM calls them (its XFormersMetadata,
     its paged-cache shape and views, non-contiguous blocks), return what dense attention returns."""
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
-    env = dict(os.environ, PYTHONPATH=str(roots_of(corex_rootfs)[1]))
-    proc = subprocess.run([str(python), str(REPO / "tests/runtime_attention.py")], capture_output=True, text=True,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout)
+    got = run_on_patched_tree(cli, python, corex_rootfs, flagship_args, "runtime_attention.py")
     assert got["sdpa_fallback_1"]["max_abs_diff"] < 1e-5
     assert got["sdpa_fallback_0"] == {"error": "the vendor's xFormers path ran"}  # switch off: not the fast path
     assert got["prefix"]["max_abs_diff"] < 1e-5
@@ -226,12 +230,7 @@ def test_adapter_blocks_with_vllms_layers_switch_by_switch(cli, python: Path, co
     """The stand-in adapter's MoE block with its experts held and loaded by vLLM's FusedMoE, its gated norm loaded
     by vLLM's loader, its GatedDeltaNet rule prefill then decode: each switch off and on gives the same outputs,
     and with it on the native path is what ran."""
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
-    env = dict(os.environ, PYTHONPATH=str(roots_of(corex_rootfs)[1]))
-    proc = subprocess.run([str(python), str(REPO / "tests/runtime_adapter.py")], capture_output=True, text=True,
-                          env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout)
+    got = run_on_patched_tree(cli, python, corex_rootfs, flagship_args, "runtime_adapter.py")
     assert sorted(got) == ["CHUNK_PARALLEL", "MOE_NATIVE", "RMSNORM_NATIVE"]
     for switch, result in got.items():
         assert result["smallest_output"] > 1e-3, switch  # not an all-zero output compared with itself

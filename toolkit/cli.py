@@ -25,6 +25,7 @@ from toolkit.results import Report, Severity, State
 from toolkit.sources import (
     Root,
     package_roots,
+    parse_package_roots,
     reference_root,
     rootfs_roots,
 )
@@ -129,13 +130,7 @@ def _roots(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[list[Root], 
 
 def _package_roots(loaded: LoadedRecipe, args: argparse.Namespace, rootfs: Path | None) -> dict[str, list[Root]]:
     """The roots of every declared package that transforms edit (the vendor's are given by _roots)."""
-    given: dict[str, str] = {}
-    for item in getattr(args, "package_root", None) or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ToolkitError(f"--package-root {item!r}: expected NAME=DIR", hint="e.g. --package-root "
-                               "transformers=./rootfs/usr/local/lib/python3.10/site-packages")
-        given[name] = path
+    given = _package_root_args(args)
     recipe = loaded.recipe
     unknown = sorted(set(given) - {p.name for p in recipe.packages})
     if unknown:
@@ -459,7 +454,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def _package_root_args(args: argparse.Namespace) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in getattr(args, "package_root", None) or [] if "=" in item)
+    return parse_package_roots(getattr(args, "package_root", None) or [])
 
 
 def _workload(args: argparse.Namespace) -> tuple[str, list[Conversation]]:

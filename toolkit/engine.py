@@ -234,26 +234,24 @@ class Engine:
         """The input of a file this recipe deploys and then patches: the deployed source, or our own result."""
         source, spec = self.deployed[rel]
         self.plan.pristine[rel] = sha256(source)
-        if current is None and spec.replaces is not None:
-            kind = self.files[spec.id]
-            assert isinstance(kind, DeployKind)
-            if (broken := kind.contract(rel, None, {}, source)) is not None:
-                self.broken[rel] = broken  # a replacement of a file that is not there: the vendor tree changed
-        if current is None or current == source:
-            return source
         files = state.get("files", {})
         entry = files.get(rel) if isinstance(files, dict) else None
-        ours = isinstance(entry, dict) and sha256(current) == entry.get("patched")
-        if ours and isinstance(entry, dict) and entry.get("pristine") == sha256(source):
-            return current  # deployed and patched before, from the same source: markers decide
-        if spec.replaces is not None and not ours:
-            # the vendor file a replacement takes over: the deploy's own result says whether the contract holds
+        ours = current is not None and isinstance(entry, dict) and sha256(current) == entry.get("patched")
+        if spec.replaces is not None and not ours and current != source:
+            # the vendor file a replacement takes over (or its absence): the deploy's own result says whether the
+            # contract holds
             kind = self.files[spec.id]
             assert isinstance(kind, DeployKind)
             if (broken := kind.contract(rel, current, {}, source)) is not None:
                 self.broken[rel] = broken
-            self.plan.steps.append(Step(spec.id, self.roots[0].label, rel, current.decode("utf-8", "replace"),
-                                        source.decode("utf-8", "replace")))
+            if current is not None:
+                self.plan.steps.append(Step(spec.id, self.roots[0].label, rel, current.decode("utf-8", "replace"),
+                                            source.decode("utf-8", "replace")))
+        if current is None or current == source:
+            return source
+        if ours and isinstance(entry, dict) and entry.get("pristine") == sha256(source):
+            return current  # deployed and patched before, from the same source: markers decide
+        if spec.replaces is not None and not ours:
             return source
         if ours or spec.overwrite:
             return source  # the deployed source changed (a new pin): start again from it

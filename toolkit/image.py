@@ -18,6 +18,7 @@ import git
 
 from toolkit.engine import Engine, commit
 from toolkit.errors import EXIT_FAILED, ToolkitError
+from toolkit.inimage import bundled_trees
 from toolkit.recipe import LoadedRecipe, SourceTransform, load_recipe
 from toolkit.render import IMAGE_PAYLOAD, PAYLOAD
 from toolkit.sources import Root
@@ -153,8 +154,7 @@ def compare_with_host(loaded: LoadedRecipe, base_image: str, built_image: str, w
     pristine = work / "pristine"
     vendor_pull(loaded, pristine, base_image)
     roots = [Root(r, pristine / r.lstrip("/")) for r in recipe.vendor.roots]
-    bundled = loaded.path.parent.parent / "sources"
-    trees = {s.name: bundled / s.name for s in recipe.sources if (bundled / s.name).is_dir()}
+    trees = bundled_trees(loaded)
     skip = frozenset(untried_here(recipe, trees))
     # roots only: image-level links need the whole image
     plan = Engine(loaded, roots, None, trees=trees, skip=skip).run()

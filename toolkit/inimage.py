@@ -22,7 +22,7 @@ from toolkit.engine import Engine, commit, run_packages
 from toolkit.errors import ToolkitError
 from toolkit.recipe import LoadedRecipe, Package, SourceTransform, load_recipe
 from toolkit.results import State
-from toolkit.sources import Root, package_roots, version_with_source
+from toolkit.sources import Root, package_roots, parse_package_roots, version_with_source
 from toolkit.startup import startup_checks
 from toolkit.transforms.deploy import lf_digest
 from toolkit.verify import verify_tree
@@ -35,11 +35,17 @@ def say(ok: bool, text: str) -> None:
     print(f"[{'ok' if ok else 'FAIL'}] {text}", flush=True)
 
 
+def bundled_trees(loaded: LoadedRecipe) -> dict[str, Path]:
+    """The declared sources the payload holds (bundled by the build, or fetched by apply.sh), by name."""
+    folder = loaded.path.parent.parent / "sources"
+    return {s.name: folder / s.name for s in loaded.recipe.sources if (folder / s.name).is_dir()}
+
+
 def payload_trees(loaded: LoadedRecipe) -> dict[str, Path] | None:
     """Declared sources as the payload holds them (bundled by `toolkit build` or fetched by apply.sh), each file
     checked against the digests the build recorded (bundled) or the recipe's lock gave (fetched)."""
     folder = loaded.path.parent.parent / "sources"
-    trees = {s.name: folder / s.name for s in loaded.recipe.sources if (folder / s.name).is_dir()}
+    trees = bundled_trees(loaded)
     for name, path in trees.items():
         lock = folder / f"{name}.digests.json"
         if not lock.is_file():
@@ -252,9 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package-root", action="append", default=[], metavar="NAME=DIR",
                         help="where a declared package is under --rootfs (default: found with find_spec in /)")
     args = parser.parse_args(argv)
-    given = dict(item.split("=", 1) for item in args.package_root if "=" in item)
     try:
-        return run(args.recipe, args.rootfs, args.verify_only, given)
+        return run(args.recipe, args.rootfs, args.verify_only, parse_package_roots(args.package_root))
     except ToolkitError as exc:
         say(False, str(exc))
         return 1

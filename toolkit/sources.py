@@ -65,6 +65,18 @@ def rootfs_roots(recipe: Recipe, rootfs: Path) -> list[Root]:
     return roots
 
 
+def parse_package_roots(items: list[str]) -> dict[str, str]:
+    """--package-root NAME=DIR, as given on a command line."""
+    given: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SourceError(f"--package-root {item!r}: expected NAME=DIR", hint="e.g. --package-root "
+                              "transformers=./rootfs/usr/local/lib/python3.10/site-packages")
+        given[name] = path
+    return given
+
+
 def package_roots(recipe: Recipe, name: str, rootfs: Path | None, given: dict[str, str]) -> list[Root]:
     """Where a declared package's roots are on this machine: --package-root NAME=DIR, else its declared roots
     under the rootfs. (In the image the in-image step finds it with importlib.util.find_spec instead.)"""
@@ -118,10 +130,6 @@ def version_with_source(root: Path, package: str) -> tuple[str | None, str]:
         if version is not None:
             return version, rel
     return None, f"neither {norm}-*.dist-info/METADATA nor __version__ in {norm}/version.py"
-
-
-def vendor_version(root: Path, package: str) -> str | None:
-    return version_with_source(root, package)[0]
 
 
 def fetch_reference(spec: str, python: str = "3.10", platform: str = "manylinux1_x86_64") -> Path:
