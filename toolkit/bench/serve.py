@@ -121,6 +121,9 @@ class Server:
                            f"{self.log_tail()}", hint="raise --start-timeout, or read the whole log: "
                            f"{self.log_path}")
 
+    def client_cores(self) -> set[int] | None:
+        return client_cores(self.process.pid) if self.process is not None else None
+
     def stop(self, grace_s: float = 30.0) -> float:
         """SIGTERM to the process group, wait, SIGKILL what is left; seconds it took."""
         started = time.monotonic()
@@ -148,15 +151,35 @@ class Server:
         return time.monotonic() - started
 
 
-def _group_alive(pgid: int) -> bool:
+def group_members(pgid: int) -> list[int]:
+    members = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 if os.getpgid(int(entry.name)) == pgid:
-                    return True
+                    members.append(int(entry.name))
             except ProcessLookupError:
                 continue
-    return False
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))
+
+
+def client_cores(server_pgid: int) -> set[int] | None:
+    """The cores no process of the server is bound to, when some are (a CPU server binds its compute worker to
+    cores; a client sharing one with it is starved and reads whole streams in one burst at the end, which turns
+    TTFT into end-to-end time). None when nothing is bound or no core is left over."""
+    available = os.sched_getaffinity(0)
+    bound: set[int] = set()
+    for pid in group_members(server_pgid):
+        with contextlib.suppress(OSError):
+            cores = os.sched_getaffinity(pid)
+            if cores < available:
+                bound |= cores
+    left = available - bound
+    return left if bound and left else None
 
 
 @dataclass
