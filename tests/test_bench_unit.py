@@ -301,3 +301,51 @@ def test_the_client_takes_the_cores_the_server_left_free() -> None:
         for process in (bound, free):
             process.kill()
             process.wait()
+
+
+# -- the default (aiohttp) transport against real sockets: each failure keeps its class --------------------------
+
+HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+
+
+def _sse_chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def over_socket(behaviour: str, timeout: float = 1.0) -> RequestRecord:
+    """One request with the client's default transport to a loopback server that misbehaves as told."""
+
+    async def main() -> RequestRecord:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            if behaviour == "close-before-reply":
+                writer.close()
+                return
+            writer.write(HEAD + _sse_chunk(b"data: " + json.dumps(
+                {"choices": [{"index": 0, "delta": {"content": "a"}}]}).encode() + b"\n\n"))
+            await writer.drain()
+            if behaviour == "close-mid-stream":
+                writer.close()
+                return
+            await asyncio.sleep(timeout * 5)  # stall: the read timeout fires first
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        if behaviour == "refused":
+            server.close()
+            await server.wait_closed()
+        settings = Settings(f"http://127.0.0.1:{port}", timeout_s=timeout)
+        async with server:
+            records, _ = await run([Conversation("c", [Turn("hi")])], settings, 1)
+        return records[0]
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize(("behaviour", "failure"), [
+    ("refused", "connection"), ("close-before-reply", "connection"), ("close-mid-stream", "stream_aborted"),
+    ("stall", "timeout")])
+def test_failure_classes_through_the_default_transport(behaviour: str, failure: str) -> None:
+    record = over_socket(behaviour)
+    assert not record.ok and record.failure == failure, (record.failure, record.message)
