@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.engine import Engine, commit
+from toolkit.corexlike import COREX_ROOTS, make_rootfs
+from toolkit.engine.plan import Engine
+from toolkit.engine.verify import verify_tree
+from toolkit.engine.writer import commit
+from toolkit.inputs import fetch_reference, rootfs_roots
 from toolkit.recipe import load_recipe
-from toolkit.sources import fetch_reference, rootfs_roots
-from toolkit.testing import COREX_ROOTS, make_rootfs
-from toolkit.verify import verify_tree
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "bi100-qwen36.yaml"

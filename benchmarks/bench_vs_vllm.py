@@ -28,7 +28,7 @@ from toolkit.bench import cpu_server  # noqa: E402
 from toolkit.bench.experiment import OFFLINE_ENV, server_command  # noqa: E402
 from toolkit.bench.serve import Server, free_port  # noqa: E402
 from toolkit.recipe import load_recipe  # noqa: E402
-from toolkit.render import render  # noqa: E402
+from toolkit.submission.render import render  # noqa: E402
 
 
 def pin(cores: set[int] | None) -> list[str]:

@@ -1,4 +1,4 @@
-"""Shared fixtures: real vLLM releases fetched by pip (cached), CoreX-like trees, the CLI."""
+"""Shared fixtures: real vLLM releases fetched by pip (cached), CoreX-like pinned, the CLI."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 from standin_adapter import make_repo
 
 from toolkit.cli import main
-from toolkit.recipe import Deploy, load_recipe
-from toolkit.sources import fetch_reference
-from toolkit.testing import COREX_ROOTS, corexify, make_rootfs
-from toolkit.transforms.deploy import lf_digest
+from toolkit.corexlike import COREX_ROOTS, corexify, make_rootfs
+from toolkit.inputs import fetch_reference
+from toolkit.recipe import load_recipe
+from toolkit.transforms.deploy import Deploy, lf_digest
 
 REPO = Path(__file__).resolve().parent.parent
 FLAGSHIP = REPO / "recipes" / "bi100-qwen36.yaml"

@@ -21,7 +21,7 @@ from conftest import FLAGSHIP, TRANSFORMERS_SITE, roots_of, transformers_site, t
 from standin_adapter import SOURCE
 
 from toolkit.recipe import load_recipe
-from toolkit.render import render
+from toolkit.submission.render import render
 
 torch = pytest.importorskip("torch", reason="the dispatch tests import the patched adapter: pip install torch==2.13.0")
 
@@ -94,7 +94,7 @@ def test_a_no_checkout_clone_bundles_the_same_files(cli, corex_rootfs: Path, sta
     args = [a if not a.startswith("qwen36-adapter=") else f"qwen36-adapter={shallow}@{commit}" for a in flagship_args]
     result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--dry-run", "--json")
     assert result.code == 0, result.out
-    assert {r["state"] for r in result.json()["results"]} == {"APPLIED"}
+    assert {r["state"] for r in result.json()["results"]} == {"WOULD_APPLY"}  # planned, not written
 
 
 def test_bundled_build_carries_only_the_used_files(cli, corex_rootfs: Path, standin: tuple[Path, str],
@@ -117,20 +117,21 @@ def test_bundled_build_carries_only_the_used_files(cli, corex_rootfs: Path, stan
     manifest = json.loads((out / "toolkit_payload/MANIFEST.json").read_text())
     assert "sources/qwen36-adapter/qwen3_5.py" in manifest
     assert (out / "toolkit_payload/packages/transformers-4.55.3-py3-none-any.whl").is_file()
-    assert cli("verify", out).code == 0
+    assert cli("check", out).code == 0
     site = transformers_site(corex_rootfs, transformers_455)
     recipe = out / "toolkit_payload/recipe/bi100-qwen36.yaml"
     env = dict(os.environ, PYTHONPATH=str(out / "toolkit_payload/src"))
-    proc = subprocess.run([sys.executable, "-m", "toolkit.inimage", str(recipe), "--rootfs", str(corex_rootfs),
-                           "--package-root", f"transformers={site}"], capture_output=True, text=True, cwd=out, env=env)
+    proc = subprocess.run([sys.executable, "-m", "toolkit.submission.inimage", str(recipe), "--rootfs",
+                           str(corex_rootfs), "--package-root", f"transformers={site}"],
+                          capture_output=True, text=True, cwd=out, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[ok] source qwen36-adapter: " in proc.stdout and "match their recorded sha256" in proc.stdout
     assert "[ok] moe-native /usr/local/corex/lib64/python3/dist-packages APPLIED" in proc.stdout
     assert f"[ok] adapter-transformers-config-mapping {site} APPLIED" in proc.stdout
     # a bundled file changed after the build: the in-image step refuses before touching anything
     (sources / "qwen3_5.py").write_text("tampered\n")
-    again = subprocess.run([sys.executable, "-m", "toolkit.inimage", str(recipe), "--rootfs", str(corex_rootfs),
-                            "--package-root", f"transformers={site}", "--verify-only"],
+    again = subprocess.run([sys.executable, "-m", "toolkit.submission.inimage", str(recipe), "--rootfs",
+                            str(corex_rootfs), "--package-root", f"transformers={site}", "--verify-only"],
                            capture_output=True, text=True, cwd=out, env=env)
     assert again.returncode == 1 and "[FAIL] source qwen36-adapter: 1 file(s) differ" in again.stdout
 
@@ -149,7 +150,7 @@ def test_fetch_mode_build_clones_and_verifies_the_pin(cli, tmp_path: Path) -> No
     assert "git clone --quiet --no-checkout https://github.com/wudixzy/competition.git" in script
     assert f'!= "{commit}"' in script and 'mv "$clone/qwen3_6_scripts" "$src"' in script
     assert not (out / "toolkit_payload/sources").exists()
-    assert json.loads(cli("verify", out, "--json").out)["findings"] == []  # shellcheck and bash -n included
+    assert json.loads(cli("check", out, "--json").out)["findings"] == []  # shellcheck and bash -n included
 
 
 def test_fetch_mode_apply_sh_checks_out_the_subdir(tmp_path: Path, standin: tuple[Path, str]) -> None:

@@ -16,7 +16,7 @@ from toolkit.bench import cpu_server
 from toolkit.bench.experiment import OFFLINE_ENV, server_command
 from toolkit.bench.serve import Server, free_port, port_in_use
 from toolkit.recipe import load_recipe
-from toolkit.render import render
+from toolkit.submission.render import render
 
 RECIPE = REPO / "tests" / "recipes" / "cpu-server.yaml"
 

@@ -1,4 +1,4 @@
-"""`toolkit build` and `toolkit verify OUTDIR`: the submission repository, without a Docker engine."""
+"""`toolkit build` and `toolkit check OUTDIR`: the submission repository, without a Docker engine."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import yaml
 from conftest import FLAGSHIP, REPO, roots_of, transformers_site
 
-from toolkit import submission
-from toolkit.inimage import expected_results
 from toolkit.recipe import load_recipe
+from toolkit.submission import build as submission
+from toolkit.submission.inimage import expected_results
 
 TEXT_SUFFIXES = (".py", ".sh", ".yaml", ".json", ".jinja", ".gitattributes", "Dockerfile")
 
@@ -54,14 +54,14 @@ def copy_repo(built: Path, tmp_path: Path) -> Path:
 
 
 def findings(cli, outdir: Path) -> set[tuple[str, str]]:
-    result = cli("verify", outdir, "--json")
+    result = cli("check", outdir, "--json")
     return {(f["check"], f["file"]) for f in result.json()["findings"]}
 
 
 def test_submission_layout_and_run_config(built: Path, cli) -> None:
     for rel in ("Dockerfile", "computility-run.yaml", ".gitattributes", "toolkit_payload/apply.sh",
                 "toolkit_payload/recipe/bi100-qwen36.yaml", "toolkit_payload/MANIFEST.json",
-                "toolkit_payload/src/toolkit/inimage.py",
+                "toolkit_payload/src/toolkit/submission/inimage.py",
                 "toolkit_payload/patches/chat_templates/qwen36_multi_system.jinja"):
         assert (built / rel).is_file(), rel
     wheels = sorted(p.name for p in (built / "toolkit_payload/wheels").glob("*.whl"))
@@ -117,7 +117,9 @@ def test_crlf_inputs_never_reach_the_submission(cli, tmp_path: Path) -> None:
     for path in out.rglob("*"):
         if path.is_file() and ".git" not in path.relative_to(out).parts and path.suffix != ".whl":
             assert b"\r" not in path.read_bytes(), path
-    assert cli("verify", out).code == 0
+    assert cli("check", out).code == 0
+    old_spelling = cli("verify", out)  # `verify OUTDIR` was the verb before `check`: it still works, and says so
+    assert old_spelling.code == 0 and f"is now `toolkit check {out}`" in old_spelling.err
 
 
 def test_verify_catches_crlf_and_autocrlf_exports(cli, built: Path, tmp_path: Path) -> None:
@@ -200,7 +202,7 @@ def test_all_variants_with_branches_and_push(cli, tmp_path: Path) -> None:
 def _inimage(built: Path, rootfs: Path, transformers: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(built / "toolkit_payload/src"))
     site = transformers_site(rootfs, transformers)
-    return subprocess.run([sys.executable, "-m", "toolkit.inimage",
+    return subprocess.run([sys.executable, "-m", "toolkit.submission.inimage",
                            str(built / "toolkit_payload/recipe/bi100-qwen36.yaml"), "--rootfs", str(rootfs),
                            "--package-root", f"transformers={site}"],
                           capture_output=True, text=True, env=env, cwd=built)
@@ -248,16 +250,16 @@ def test_in_image_step_runs_on_the_payload_alone(cli, adapter_args: list[str], c
             zf.extractall(site)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env["PYTHONPATH"] = f"{site}:{out / 'toolkit_payload/src'}"
-    proc = subprocess.run([sys.executable, "-S", "-m", "toolkit.inimage", str(out / "toolkit_payload/recipe" /
-                           recipe.name), "--rootfs", str(corex_rootfs), "--package-root",
-                           f"transformers={transformers_site(corex_rootfs, transformers_455)}"],
+    proc = subprocess.run([sys.executable, "-S", "-m", "toolkit.submission.inimage",
+                           str(out / "toolkit_payload/recipe" / recipe.name), "--rootfs", str(corex_rootfs),
+                           "--package-root", f"transformers={transformers_site(corex_rootfs, transformers_455)}"],
                           capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.rstrip().splitlines()[-1].startswith("== summary: ok")
 
 
 def test_the_payload_holds_the_packages_a_module_runs_under() -> None:
-    from toolkit.submission import PACKAGE, in_image_modules
+    from toolkit.submission.build import PACKAGE, in_image_modules
 
     shipped = {p.relative_to(PACKAGE).as_posix() for p in in_image_modules("toolkit.runtime.env")}
     # importing toolkit.runtime.env runs toolkit/runtime/__init__.py first, though nothing imports it by name

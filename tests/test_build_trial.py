@@ -30,9 +30,10 @@ def test_a_typo_in_scope_stops_the_build_before_anything_is_written(cli, tmp_pat
     report = result.json()
     drifted = [r for r in report["results"] if r["state"] == "DRIFTED"]
     assert {r["transform"] for r in drifted} == {"unhardcode-enforce-eager"}
-    line = next(i + 1 for i, ln in enumerate(recipe.read_text().splitlines())
-                if "id: unhardcode-enforce-eager" in ln)
-    assert {r["recipe_line"] for r in drifted} == {line}
+    lines = recipe.read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if "id: unhardcode-enforce-eager" in ln)
+    line = next(i + 1 for i, ln in enumerate(lines) if i > start and "scope: EngineArgs.create_model_confi" in ln)
+    assert {r["recipe_line"] for r in drifted} == {line}  # the field at fault, not the transform's first line
     assert all("EngineArgs.create_model_config" in r["message"] for r in drifted)  # the nearest name that exists
     assert any("nothing was written" in n for n in report["notes"])
     human = cli("build", recipe, "-o", out)

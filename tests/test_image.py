@@ -17,9 +17,10 @@ import pytest
 import yaml
 from conftest import FLAGSHIP, REPO, TRANSFORMERS_FILES, transformers_site
 
-from toolkit.inimage import expected_results
-from toolkit.recipe import SourceTransform, load_recipe
-from toolkit.testing import COREX_ROOTS
+from toolkit.corexlike import COREX_ROOTS
+from toolkit.recipe import load_recipe
+from toolkit.submission.inimage import expected_results
+from toolkit.transforms.base import ModuleEdit
 
 BASE_TAG = "toolkit-test/corex:py311"
 DRIFTED_TAG = "toolkit-test/corex-drifted:py311"
@@ -79,7 +80,7 @@ def test_full_image_flow(cli, base_images: dict[str, str], adapter_args: list[st
     assert result.code == 0, result.err[-3000:]
     data = result.json()
     recipe = load_recipe(FLAGSHIP).recipe
-    patched = {t.file for t in recipe.for_package("vllm") if isinstance(t, SourceTransform)}
+    patched = {t.file for t in recipe.for_package("vllm") if isinstance(t, ModuleEdit)}
     assert data["compared_files"] == 2 * len(patched)  # every patched module x 2 roots, identical to a host apply
     expected = expected_results(load_recipe(FLAGSHIP), {"vllm": 2, "transformers": 1})
     assert data["ok_lines"] >= expected

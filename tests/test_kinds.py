@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -16,8 +15,8 @@ import pytest
 import yaml
 from conftest import REPO, roots_of, small_rootfs, tree_digest
 
+from toolkit.corexlike import COREX_ROOTS, COREX_VERSION
 from toolkit.markers import read_markers
-from toolkit.testing import COREX_ROOTS, COREX_VERSION
 from toolkit.transforms.cstutil import resolve_scope
 from toolkit.transforms.replace_body import body_digest
 
@@ -46,6 +45,7 @@ class Case:
     drift: Callable[[str], str | None]  # the vendor file with its pre-state gone (None: the file is gone)
     after: Callable[[str], bool]  # the patched text has the intended change
     drift_words: tuple[str, ...] = ()  # what the DRIFTED message must mention
+    field: str = ""  # the recipe field a DRIFTED result points at (its line)
 
 
 def _sub(pattern: str, repl: str) -> Callable[[str], str]:
@@ -66,6 +66,7 @@ CASES = [
         _sub(r"enforce_eager=True,", "enforce_eager=  False,"),
         lambda t: "enforce_eager=self.enforce_eager," in t,
         ("enforce_eager=False", "ModelConfig"),
+        field="old",
     ),
     Case(
         "assign-replace",
@@ -74,6 +75,7 @@ CASES = [
         _sub(r"HAS_TRITON = False", "HAS_TRITON = bool(0)"),
         lambda t: 'HAS_TRITON = find_spec("triton") is not None' in t,
         ("HAS_TRITON = bool(0)",),
+        field="old",
     ),
     Case(
         "assign-remove",
@@ -82,6 +84,7 @@ CASES = [
         _sub(r"def forward_decode\(", "def forward_decode_v1("),
         lambda t: "use_v1 = True" not in t,
         ("no scope 'PagedAttention.forward_decode'", "PagedAttention.forward_decode_v1"),
+        field="scope",
     ),
     Case(
         "dict-entries",
@@ -92,6 +95,7 @@ CASES = [
         _sub(r'\s+"Qwen3MoeForCausalLM": \("qwen3_moe", "Qwen3MoeForCausalLM"\),', ""),
         lambda t: '"Qwen3MoeForCausalLM"),\n    "Qwen3_5ForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),' in t,
         ("no key 'Qwen3MoeForCausalLM'",),
+        field="after",
     ),
     Case(
         "dispatch",
@@ -102,6 +106,7 @@ CASES = [
         lambda t: 'environ.get("RMSNORM_NATIVE", "0") == "1"' in t
         and "return _toolkit_rmsnorm_native(self, x, residual)" in t,
         ("RMSNormV2.forward_native",),
+        field="scope",
     ),
     Case(
         "add-import",
@@ -109,6 +114,7 @@ CASES = [
         lambda t: None,
         lambda t: t.index("import os") < t.index("logger = init_logger"),
         ("file not found",),
+        field="file",
     ),
     Case(
         "replace-body",
@@ -117,6 +123,7 @@ CASES = [
         _sub(r"def extra_repr\(self\) -> str:\n(\s+)s = ", r"def extra_repr(self) -> str:\n\1s = 'vendor' + "),
         lambda t: 'return f"toolkit eps={self.variance_epsilon}"' in t,
         ("old_digest",),
+        field="old_digest",
     ),
 ]
 # the registry case registers an architecture of qwen2_moe.py: verify resolves it to the class in that file
@@ -196,8 +203,10 @@ def test_drift_is_reported_and_nothing_written(cli, case: Case, tree: Path, tmp_
     assert {r["root"] for r in drifted} == set(COREX_ROOTS)
     for r in drifted:
         assert r["file"] == case.spec["file"]
-        starts = [i + 1 for i, ln in enumerate(recipe.read_text().splitlines()) if ln.startswith("- why:")]
-        assert r["recipe_line"] == starts[1]  # where the second transform of the generated recipe begins
+        lines = recipe.read_text().splitlines()
+        second = [i for i, ln in enumerate(lines) if ln.startswith("- why:")][1]
+        at = next(i + 1 for i, ln in enumerate(lines) if i > second and ln.startswith(f"  {case.field}:"))
+        assert r["recipe_line"] == at, (case.field, lines[r["recipe_line"] - 1])  # the line of the field at fault
         for word in case.drift_words:
             assert word in r["message"], (word, r["message"])
 
@@ -314,4 +323,3 @@ def test_dispatch_switch_selects_the_path(cli, tmp_path: Path, monkeypatch: pyte
     assert vllm.ops.scale.__doc__ == "Original vendor code path."
     for name in [m for m in sys.modules if m.split(".")[0] in ("vllm", "fastpkg")]:
         monkeypatch.delitem(sys.modules, name)
-    assert os.environ.get("FAST_SCALE") == "1"

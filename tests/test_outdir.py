@@ -14,7 +14,7 @@ from conftest import FLAGSHIP, REPO, tree_digest
 
 from toolkit import cli as cli_mod
 from toolkit.recipe import load_recipe
-from toolkit.submission import check_outdir, protected_problem, replaceable_problem
+from toolkit.submission.build import check_outdir, protected_problem, replaceable_problem
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_an_interrupt_while_writing_leaves_outdir_as_it_was(cli, previous: Path,
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("toolkit.submission.fetch_wheels", interrupted)
+    monkeypatch.setattr("toolkit.submission.build.fetch_wheels", interrupted)
     result = cli("build", FLAGSHIP, "-o", out, "--force")
     assert result.code == 130
     assert "Traceback" not in result.err

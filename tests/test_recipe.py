@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from toolkit.errors import RecipeError
-from toolkit.recipe import DictEntries, json_schema, load_recipe, parse_recipe
+from toolkit.recipe import json_schema, load_recipe, parse_recipe
 from toolkit.transforms.base import Context
-from toolkit.transforms.dict_entries import DictEntriesKind
+from toolkit.transforms.dict_entries import DictEntries, DictEntriesKind
 
 GOOD = FLAGSHIP.read_text()
 
@@ -314,3 +314,21 @@ def test_dict_entries_keep_order_and_layout(keys: list[str], new: dict[str, int]
     assert (probe.pre, probe.post) == (0, 1)
     if multiline and items:
         assert all(line.startswith(("    ", "M = {", "}")) for line in out.splitlines())
+
+
+def test_the_registry_is_the_one_list_of_kinds() -> None:
+    """The recipe's union, the JSON Schema and the engine's dispatch all come from toolkit.transforms.KINDS; each
+    kind's model lives in the module of its behaviour, and a kind edits Python exactly when its behaviour probes."""
+    from toolkit.recipe import TRANSFORM_MODELS
+    from toolkit.transforms import KINDS
+
+    items = json_schema()["properties"]["transforms"]["items"]
+    mapping = items["discriminator"]["mapping"]
+    assert set(mapping) == set(KINDS) == set(TRANSFORM_MODELS)
+    assert [ref["$ref"] for ref in items["oneOf"]] == [f"#/$defs/{k.model.__name__}" for k in KINDS.values()]
+    for name, kind in KINDS.items():
+        assert mapping[name] == f"#/$defs/{kind.model.__name__}"
+        assert TRANSFORM_MODELS[name] is kind.model
+        assert kind.model.__module__ == kind.behaviour.__module__, f"{name}: model and behaviour in two modules"
+        assert kind.edits_python == all(hasattr(kind.behaviour, m) for m in ("probe", "rewrite")), name
+        assert kind.edits_python != hasattr(kind.behaviour, "plan"), name

@@ -17,7 +17,8 @@ from pydantic import TypeAdapter
 from toolkit.errors import ToolkitError
 from toolkit.recipe import Transform
 from toolkit.results import State
-from toolkit.transforms import source_kind
+from toolkit.testing import check_kind
+from toolkit.transforms import edit_kind
 from toolkit.transforms.base import Context, decide
 
 PROVENANCE = {"why": "test", "remove_when": "never", "file": "m.py"}
@@ -25,7 +26,7 @@ PROVENANCE = {"why": "test", "remove_when": "never", "file": "m.py"}
 # kind spec, then (module source, expected state) rows; no marker is present in any of them
 TABLE: list[tuple[str, dict[str, Any], list[tuple[str, State]]]] = [
     ("assign-remove", {"kind": "assign", "scope": "f", "target": "use_v1", "old": "True", "others": 1}, [
-        ("def f(n):\n    use_v1 = n < 8\n    use_v1 = True\n    return use_v1\n", State.APPLIED),
+        ("def f(n):\n    use_v1 = n < 8\n    use_v1 = True\n    return use_v1\n", State.WOULD_APPLY),
         ("def f(n):\n    use_v1 = n < 8\n    return use_v1\n", State.SUPERSEDED),
         ("def f(n):\n    use_v1 = n < 8\n    use_v1 = bool(1)\n    return use_v1\n", State.DRIFTED),
         ("def f(n):\n    use_v1 = n < 8\n    use_v1 = not False\n    return use_v1\n", State.DRIFTED),
@@ -34,31 +35,31 @@ TABLE: list[tuple[str, dict[str, Any], list[tuple[str, State]]]] = [
         ("def f(n):\n    use_v1 = n < 8\n    return use_v1\n\ndef g():\n    use_v1 = True\n", State.DRIFTED),
     ]),
     ("assign-remove-sole", {"kind": "assign", "target": "FLAG", "old": "True"}, [
-        ("FLAG = True\n", State.APPLIED),
+        ("FLAG = True\n", State.WOULD_APPLY),
         ("X = 1\n", State.SUPERSEDED),
         ("FLAG = 1 == 1\n", State.DRIFTED),
     ]),
     ("assign-replace", {"kind": "assign", "target": "HAS_TRITON", "old": "False", "new": "probe()"}, [
-        ("HAS_TRITON = False\n", State.APPLIED),
+        ("HAS_TRITON = False\n", State.WOULD_APPLY),
         ("HAS_TRITON = probe()\n", State.SUPERSEDED),
         ("HAS_TRITON = bool(0)\n", State.DRIFTED),
         ("HAS_TRITON = probe()\nHAS_TRITON = bool(0)\n", State.DRIFTED),
     ]),
     ("set-kwarg", {"kind": "set-kwarg", "scope": "f", "call": "Config", "arg": "eager", "old": "True",
                    "new": "self.eager"}, [
-        ("def f(self):\n    return Config(eager=True)\n", State.APPLIED),
+        ("def f(self):\n    return Config(eager=True)\n", State.WOULD_APPLY),
         ("def f(self):\n    return Config(eager=self.eager)\n", State.SUPERSEDED),
         ("def f(self):\n    return Config(eager=bool(1))\n", State.DRIFTED),
         ("def f(self):\n    Config(eager=self.eager)\n    return Config(eager=False)\n", State.DRIFTED),
     ]),
     ("dict-entries", {"kind": "dict-entries", "name": "MODELS", "entries": {"b": "2"}, "after": "a"}, [
-        ("MODELS = {'a': 1}\n", State.APPLIED),
+        ("MODELS = {'a': 1}\n", State.WOULD_APPLY),
         ("MODELS = {'a': 1, 'b': 2}\n", State.SUPERSEDED),
         ("MODELS = {'a': 1, 'b': 3}\n", State.DRIFTED),
         ("if X:\n    MODELS = {'a': 1}\nelse:\n    MODELS = {'a': 1, 'b': 3}\n", State.DRIFTED),
     ]),
     ("statements-replace", {"kind": "statements", "scope": "C.f", "old": "pass", "new": "self.hit = False"}, [
-        ("class C:\n    def f(self, a):\n        if a:\n            pass\n        return a\n", State.APPLIED),
+        ("class C:\n    def f(self, a):\n        if a:\n            pass\n        return a\n", State.WOULD_APPLY),
         ("class C:\n    def f(self, a):\n        if a:\n            self.hit = False\n", State.SUPERSEDED),
         ("class C:\n    def f(self, a):\n        if a:\n            self.hit = True\n", State.DRIFTED),
         # two sites where the contract says one: never a guess
@@ -68,26 +69,26 @@ TABLE: list[tuple[str, dict[str, Any], list[tuple[str, State]]]] = [
         ("class C:\n    def g(self):\n        pass\n", State.DRIFTED),  # no scope C.f
     ]),
     ("statements-block", {"kind": "statements", "scope": "f", "old": "a()\nb()", "new": "c()"}, [
-        ("def f():\n    a()  # first\n    b(\n    )\n    d()\n", State.APPLIED),
+        ("def f():\n    a()  # first\n    b(\n    )\n    d()\n", State.WOULD_APPLY),
         ("def f():\n    a()\n    d()\n    b()\n", State.DRIFTED),  # not consecutive
         ("def f():\n    c()\n    d()\n", State.SUPERSEDED),
     ]),
     ("statements-after", {"kind": "statements", "after": "from .a import A", "new": "from .b import B"}, [
-        ("if TYPE_CHECKING:\n    from .a import A\n    from .z import Z\n", State.APPLIED),
+        ("if TYPE_CHECKING:\n    from .a import A\n    from .z import Z\n", State.WOULD_APPLY),
         ("if TYPE_CHECKING:\n    from .a import A\n    from .b import B\n", State.SUPERSEDED),
         ("if TYPE_CHECKING:\n    from .z import Z\n", State.DRIFTED),
     ]),
     ("statements-top", {"kind": "statements", "scope": "f", "new": "if x is None:\n    return 0"}, [
-        ('def f(x):\n    """Doc."""\n    return x + 1\n', State.APPLIED),
+        ('def f(x):\n    """Doc."""\n    return x + 1\n', State.WOULD_APPLY),
         ('def f(x):\n    """Doc."""\n    if x is None:\n        return 0\n    return x + 1\n', State.SUPERSEDED),
     ]),
     ("dict-entries-pairs", {"kind": "dict-entries", "name": "M", "after": "a", "entries": {"b": '"B"'}}, [
-        ('M = OrderedDict[str, str]([("a", "A"), ("c", "C")])\n', State.APPLIED),
+        ('M = OrderedDict[str, str]([("a", "A"), ("c", "C")])\n', State.WOULD_APPLY),
         ('M = OrderedDict([("a", "A"), ("b", "B"), ("c", "C")])\n', State.SUPERSEDED),
         ('M = OrderedDict([("a", "A"), ("b", "X")])\n', State.DRIFTED),
     ]),
     ("add-import", {"kind": "add-import", "module": "os"}, [
-        ("x = 1\n", State.APPLIED),
+        ("x = 1\n", State.WOULD_APPLY),
         ("import os\nx = 1\n", State.SUPERSEDED),
     ]),
 ]
@@ -97,12 +98,11 @@ CASES = [(name, spec, source, state) for name, spec, rows in TABLE for source, s
 @pytest.mark.parametrize(("name", "spec", "source", "state"), CASES,
                          ids=[f"{c[0]}-{i}-{c[3].value}" for i, c in enumerate(CASES)])
 def test_state_is_decided_structurally(name: str, spec: dict[str, Any], source: str, state: State) -> None:
+    check_kind(spec, source, None, state)  # idempotent, and the result checks clean
     model = TypeAdapter(Transform).validate_python({"id": name, **PROVENANCE, **spec})
-    kind = source_kind(model, Context(patches_dir=Path(".")))  # type: ignore[arg-type]
+    kind = edit_kind(model, Context(patches_dir=Path(".")))  # type: ignore[arg-type]
     module = cst.parse_module(source)
-    decision = decide(model, kind.probe(module), None)  # type: ignore[arg-type]
-    assert decision.state is state, decision.message
-    if state is State.APPLIED:
+    if state is State.WOULD_APPLY:
         # the rewrite lands in the post-state: probing the result again reads SUPERSEDED (no marker here)
         again = decide(model, kind.probe(kind.rewrite(module)), None)  # type: ignore[arg-type]
         assert again.state is State.SUPERSEDED, again.message
@@ -146,3 +146,15 @@ def test_flagship_dispatch_defaults_come_from_the_package_table() -> None:
     recipe = yaml.safe_load(FLAGSHIP.read_text())
     dispatches = [t for t in recipe["transforms"] if t["kind"] == "dispatch"]
     assert dispatches and all("default" not in t and t["switch"] in table for t in dispatches)
+
+
+def test_check_kind_compares_the_rewritten_source() -> None:
+    """The per-kind helper of toolkit.testing: source in, transform, expected source and state out."""
+    spec = {"kind": "set-kwarg", "scope": "f", "call": "Config", "arg": "eager", "old": "True", "new": "eager"}
+    before = "def f(eager):\n    return Config(eager=True)\n"
+    check_kind(spec, before, "def f(eager):\n    return Config(eager=eager)\n")
+    with pytest.raises(AssertionError, match="planned"):
+        check_kind(spec, before, "def f(eager):\n    return Config(eager=False)\n")
+    with pytest.raises(AssertionError, match="expected SUPERSEDED, got WOULD_APPLY"):
+        check_kind(spec, before, None, State.SUPERSEDED)
+    check_kind(spec, "def f(eager):\n    return Config(eager=1)\n", None, State.DRIFTED)

@@ -15,34 +15,36 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from toolkit import __version__
-from toolkit.engine import Engine, commit, make_lock, run_packages
+from toolkit.engine.plan import Engine, run_packages
+from toolkit.engine.state import make_lock
+from toolkit.engine.verify import verify_tree
+from toolkit.engine.writer import commit
 from toolkit.errors import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
-from toolkit.lint import lint
-from toolkit.pinned import parse_source_override, resolve_trees
-from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
-from toolkit.report import emit
-from toolkit.results import Report, Severity, State
-from toolkit.sources import (
+from toolkit.inputs import (
     Root,
     package_roots,
     parse_package_roots,
     reference_root,
     rootfs_roots,
 )
-from toolkit.submission import build as build_submission
-from toolkit.submission import (
+from toolkit.lint import lint
+from toolkit.pinned import parse_source_override, resolve_pinned
+from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
+from toolkit.report import emit
+from toolkit.results import Report, Severity, State
+from toolkit.submission.build import build as build_submission
+from toolkit.submission.build import (
     build_all_variants,
     check_outdir,
     files_by_kind,
     server_command,
     used_sources,
 )
-from toolkit.submission import push as push_submission
-from toolkit.submission_verify import verify_submission
+from toolkit.submission.build import push as push_submission
+from toolkit.submission.check import verify_submission
 from toolkit.trial import try_recipe
 from toolkit.variants import expand as expand_variants
 from toolkit.variants import find as find_variant
-from toolkit.verify import verify_tree
 
 if TYPE_CHECKING:
     from toolkit.bench.client import Conversation, Settings
@@ -57,7 +59,7 @@ exit codes:
 
 examples:
   toolkit build recipes/bi100-qwen36.yaml -o ../submission      # the repository the platform builds
-  toolkit verify ../submission                                   # LF, linters, run config, payload
+  toolkit check ../submission                                    # LF, linters, run config, payload
   toolkit apply recipes/bi100-qwen36.yaml --rootfs /            # inside the image
   toolkit apply recipes/bi100-qwen36.yaml --rootfs ./rootfs --json
   toolkit diff recipes/bi100-qwen36.yaml --reference --stat      # against vllm==0.6.3.post1 from PyPI
@@ -89,17 +91,17 @@ class Progress:
 PROGRESS = Progress()
 
 
-def _trees(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, Path]]:
+def _pinned(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, Path]]:
     """The declared sources available here, and the recipe with any `--source NAME=PATH@COMMIT` pin applied."""
     overrides: dict[str, tuple[str, str | None]] = {}
     for item in getattr(args, "source", None) or []:
         name, path, rev = parse_source_override(item)
         overrides[name] = (path, rev)
-    trees, commits = resolve_trees(loaded.recipe, loaded.path.parent, overrides)
-    pinned = {s.name: s.commit for s in loaded.recipe.sources}
-    moved = {name: sha for name, sha in commits.items() if pinned[name] != sha}
+    pinned, commits = resolve_pinned(loaded.recipe, loaded.path.parent, overrides)
+    pins = {s.name: s.commit for s in loaded.recipe.sources}
+    moved = {name: sha for name, sha in commits.items() if pins[name] != sha}
     for name, sha in moved.items():
-        print(f"source {name}: pin {pinned[name][:12]} overridden by --source for this run: {sha}",
+        print(f"source {name}: pin {pins[name][:12]} overridden by --source for this run: {sha}",
               file=sys.stderr)
     if moved:
         sources = [s.model_copy(update={"commit": moved.get(s.name, s.commit)}) for s in loaded.recipe.sources]
@@ -114,7 +116,7 @@ def _trees(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[LoadedRecipe
             raise ToolkitError(f"--expect {args.expect}: {exc}") from None
         print(f"replacement expectations from {args.expect}, not the recipe: {len(lock)} file(s); the real image's "
               "files are only checked without --expect", file=sys.stderr)
-    return loaded, trees
+    return loaded, pinned
 
 
 def _roots(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[list[Root], Path | None]:
@@ -148,13 +150,13 @@ def _package_roots(loaded: LoadedRecipe, args: argparse.Namespace, rootfs: Path 
     return out
 
 
-def _engines(loaded: LoadedRecipe, args: argparse.Namespace, trees: dict[str, Path],
+def _engines(loaded: LoadedRecipe, args: argparse.Namespace, pinned: dict[str, Path],
              **options: Any) -> tuple[list[Engine], list[Root]]:
     """One engine per package the recipe edits: the vendor's first."""
     roots, rootfs = _roots(loaded, args)
-    engines = [Engine(loaded, roots, rootfs, trees=trees, **options)]
+    engines = [Engine(loaded, roots, rootfs, pinned=pinned, **options)]
     for name, package_roots_ in _package_roots(loaded, args, rootfs).items():
-        engines.append(Engine(loaded, package_roots_, rootfs, trees=trees, package=name, **options))
+        engines.append(Engine(loaded, package_roots_, rootfs, pinned=pinned, package=name, **options))
     return engines, roots
 
 
@@ -185,14 +187,16 @@ def _exit(report: Report, strict: bool = False) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    loaded, trees = _trees(load_recipe(args.recipe), args)
-    engines, _ = _engines(loaded, args, trees)
+    loaded, pinned = _pinned(load_recipe(args.recipe), args)
+    engines, _ = _engines(loaded, args, pinned)
     engines[0].lock = _read_lock(args.check_lock)  # the lock records the vendor roots' inputs
     plan = run_packages(engines)
     written: list[str] = []
     PROGRESS.untouched = "nothing was written: the writes are all-or-nothing and were rolled back or never began"
+    results = plan.results
     if plan.ok and not args.dry_run:
         commit(plan.ops)
+        results = plan.written()
         written = [str(op.path) for op in plan.ops]
         PROGRESS.done.append(f"the apply completed: {len(written)} path(s) written in the vendor roots")
     if plan.ok and args.write_lock:
@@ -206,15 +210,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
         notes.append(f"dry run: {len(plan.ops)} write(s) planned, none made")
     else:
         notes.append(f"{len(written)} path(s) written")
-    report = Report("apply", str(loaded.path), tuple(plan.results), notes=tuple(notes),
+    report = Report("apply", str(loaded.path), tuple(results), notes=tuple(notes),
                     extra={"written": written, "dry_run": bool(args.dry_run)})
     emit(report, as_json=args.json)
     return _exit(report, args.strict)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    loaded, trees = _trees(load_recipe(args.recipe), args)
-    engines, _ = _engines(loaded, args, trees, check_version=not args.reference)
+    loaded, pinned = _pinned(load_recipe(args.recipe), args)
+    engines, _ = _engines(loaded, args, pinned, check_version=not args.reference)
     plan = run_packages(engines)
     firsts = {e.roots[0].label for e in engines}
     first = engines[0].roots[0].label
@@ -248,8 +252,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     previous = check_outdir(outdir, loaded, args.force)  # before anything slow: a refused OUTDIR is said at once
     PROGRESS.untouched = (f"{outdir} was left as it was" + (f" (the previous submission, commit {previous[:12]})"
                           if previous else "") + "; the half-written tree beside it was removed")
-    loaded, trees = _trees(loaded, args)
-    trial = try_recipe(loaded, trees, Path(args.rootfs) if args.rootfs else None)
+    loaded, pinned = _pinned(loaded, args)
+    trial = try_recipe(loaded, pinned, Path(args.rootfs) if args.rootfs else None)
     if not trial.ok:
         # the platform's docker build shows no log: a transform that cannot apply must stop the build here
         report = Report("build", str(loaded.path), trial.results, notes=(
@@ -257,14 +261,14 @@ def cmd_build(args: argparse.Namespace) -> int:
             *trial.notes, f"nothing was written; {outdir} was left as it was"))
         emit(report, as_json=args.json)
         return EXIT_FAILED
-    preflight_notes, refused = _build_preflight(loaded, trees, args)
+    preflight_notes, refused = _build_preflight(loaded, pinned, args)
     if refused is not None:
         emit(refused, as_json=args.json)
         return EXIT_CANNOT_START
     notes.extend(preflight_notes)
     rows: list[tuple[str, ...]] = []
     if args.all_variants:
-        grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches, trees=trees)
+        grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches, pinned=pinned)
         built, branches = grid.built, grid.branches
         rows = [(v.name, "written", v.describe()) for v in grid.kept]
         rows += [(v.name, "DROPPED", "; ".join(f"{e.rule}: {e.message}" for e in errs)) for v, errs in grid.dropped]
@@ -273,7 +277,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         recipe = loaded.recipe
     else:
         recipe = find_variant(loaded.recipe, args.variant).apply(loaded.recipe) if args.variant else loaded.recipe
-        built = build_submission(loaded, recipe, outdir, variant=args.variant, force=args.force, trees=trees)
+        built = build_submission(loaded, recipe, outdir, variant=args.variant, force=args.force, pinned=pinned)
         branches = [built.branch]
     build_seconds = time.monotonic() - started
     PROGRESS.done.append(f"{outdir} holds the complete new submission (commit {built.commit[:12]})"
@@ -296,7 +300,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     verified = verify_submission(outdir)
     extra: dict[str, object] = {}
     if args.image and verified.ok:
-        from toolkit.image import image_flow  # the Docker SDK is needed only here
+        from toolkit.submission.image import image_flow  # the Docker SDK is needed only here
 
         image_started = time.monotonic()
         extra = image_flow(outdir, args.image)
@@ -311,7 +315,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                      if i.severity is not Severity.INFO or i.rule == "kv-cache")
     next_step = (f"next: push it (`toolkit build ... --push URL`, or `git -C {outdir} push URL main`) and submit "
                  "the repository URL" if not args.push else "next: submit the repository URL you pushed to")
-    closing = (next_step + f"; `toolkit verify {outdir}` checks it again at any time",) if verified.ok else (
+    closing = (next_step + f"; `toolkit check {outdir}` checks it again at any time",) if verified.ok else (
         "next: fix the findings above (the submission would not build or start), then build again",)
     report = Report("build", str(loaded.path), findings=verified.findings, notes=(*notes, *verified.notes, *closing),
                     issues=warnings, columns=("variant", "status", "detail") if rows else (), rows=tuple(rows),
@@ -323,7 +327,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_vendor_pull(args: argparse.Namespace) -> int:
-    from toolkit.image import vendor_pull
+    from toolkit.submission.image import vendor_pull
 
     loaded = load_recipe(args.recipe)
     out = Path(args.output)
@@ -336,16 +340,23 @@ def cmd_vendor_pull(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    report = verify_submission(Path(args.outdir))
+    emit(report, as_json=args.json)
+    return _exit(report)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    if Path(args.recipe).is_dir():
-        report = verify_submission(Path(args.recipe))
-        emit(report, as_json=args.json)
-        return _exit(report)
-    loaded, trees = _trees(load_recipe(args.recipe), args)
+    if Path(args.recipe).is_dir():  # the old spelling of `toolkit check OUTDIR`
+        print(f"note: `toolkit verify OUTDIR` is now `toolkit check {args.recipe}`; this spelling keeps working",
+              file=sys.stderr)
+        args.outdir = args.recipe
+        return cmd_check(args)
+    loaded, pinned = _pinned(load_recipe(args.recipe), args)
     roots, rootfs = _roots(loaded, args)
-    report = verify_tree(loaded, roots, rootfs, trees)
+    report = verify_tree(loaded, roots, rootfs, pinned)
     for name, package_roots_ in _package_roots(loaded, args, rootfs).items():
-        extra = verify_tree(loaded, package_roots_, rootfs, trees, package=name)
+        extra = verify_tree(loaded, package_roots_, rootfs, pinned, package=name)
         order = {t.id: i for i, t in enumerate(loaded.recipe.transforms)}
         merged = sorted((*report.results, *extra.results), key=lambda r: (order[r.transform], r.root))
         report = dataclasses.replace(
@@ -392,7 +403,7 @@ def cmd_variants(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _build_preflight(loaded: LoadedRecipe, trees: dict[str, Path],
+def _build_preflight(loaded: LoadedRecipe, pinned: dict[str, Path],
                      args: argparse.Namespace) -> tuple[list[str], Report | None]:
     """Preflight of what the build writes, when the CPU runtime is here (a Report: refused, nothing written)."""
     from toolkit.runtime import preflight
@@ -416,7 +427,7 @@ def _build_preflight(loaded: LoadedRecipe, trees: dict[str, Path],
     if not variants:
         return [], None
     started = time.monotonic()
-    outcomes, cached = preflight.cached_run(loaded, variants, trees, python)
+    outcomes, cached = preflight.cached_run(loaded, variants, pinned, python)
     how = "remembered from an earlier run" if cached else f"{time.monotonic() - started:.1f} s"
     if all(o.starts for o in outcomes):
         unchecked = sorted({n for o in outcomes for n in o.not_checked})
@@ -431,7 +442,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from toolkit.runtime import preflight
     from toolkit.runtime.env import runtime
 
-    loaded, trees = _trees(load_recipe(args.recipe), args)
+    loaded, pinned = _pinned(load_recipe(args.recipe), args)
     variants = expand_variants(loaded.recipe)
     if args.variant:
         variants = [find_variant(loaded.recipe, args.variant)]
@@ -443,7 +454,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         if args.rootfs:
             tree = preflight.given_tree(loaded, Path(args.rootfs), _package_root_args(args))
         else:
-            tree = preflight.patched_copy(loaded, trees, Path(tmp))
+            tree = preflight.patched_copy(loaded, pinned, Path(tmp))
         print(f"preflight: {len(variants)} variant(s) through the vendor's own code in {tree.where}",
               file=sys.stderr, flush=True)
         outcomes = preflight.run(loaded, variants, tree, python,
@@ -658,10 +669,16 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--json", action="store_true", help="print the report as JSON")
     pull.set_defaults(func=cmd_vendor_pull)
 
-    p = sub.add_parser("verify", help="check a vendor tree (RECIPE --rootfs DIR) or a submission repository "
-                       "(OUTDIR): markers, post-states, line endings, linters, run config, payload")
+    p = sub.add_parser("verify", help="check patched vendor roots (RECIPE --rootfs DIR): markers, post-states, "
+                       "line endings, startup checks")
     tree_args(p, reference=False)
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("check", help="check a submission repository (OUTDIR) as the platform will build it: LF, "
+                       "linters, the run config against the recipe, the payload against its manifest")
+    p.add_argument("outdir", help="the submission repository `toolkit build` wrote")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("lint", help="catch configurations that cannot start (exit 0 clean, 1 warnings with "
                        "--strict, 2 errors)")

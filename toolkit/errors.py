@@ -44,7 +44,7 @@ class RecipeError(ToolkitError):
         self.key = key
 
 
-class SourceError(ToolkitError):
+class InputError(ToolkitError):
     """A vendor tree or reference release that cannot be found or fetched."""
 
 

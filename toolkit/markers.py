@@ -27,3 +27,8 @@ def append_markers(text: str, markers: list[tuple[str, str]]) -> str:
     if text and not text.endswith("\n"):
         text += "\n"
     return text + "".join(marker_line(i, d) + "\n" for i, d in markers)
+
+
+def strip_markers(text: str) -> str:
+    """The text without its marker lines (what a transform wrote, for comparisons)."""
+    return "".join(line for line in text.splitlines(keepends=True) if not _MARKER.match(line))

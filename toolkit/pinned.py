@@ -14,16 +14,17 @@ from pathlib import Path
 
 import git
 
-from toolkit.errors import SourceError
-from toolkit.recipe import Deploy, Recipe, Source
-from toolkit.sources import cache_dir, cached_tree
+from toolkit.errors import InputError
+from toolkit.inputs import cache_dir, cached_tree
+from toolkit.recipe import Recipe, Source
+from toolkit.transforms.deploy import Deploy
 
 SOURCE_INFO = ".toolkit-source.json"  # beside the exported files: what was exported, from where, with digests
 
 
 def used_paths(recipe: Recipe, name: str) -> list[str]:
     """The paths (files or folders, relative to the source's subdir) the recipe's transforms take from a source."""
-    return sorted({t.tree_path for t in recipe.transforms if isinstance(t, Deploy) and t.tree == name})
+    return sorted({t.pinned_path for t in recipe.transforms if isinstance(t, Deploy) and t.pinned == name})
 
 
 def _blobs(tree: git.Tree, rel: str) -> dict[str, git.Blob]:
@@ -43,13 +44,13 @@ def resolve_commit(name: str, checkout: Path, rev: str) -> str:
     try:
         repo = git.Repo(checkout)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError):
-        raise SourceError(f"source {name}: {checkout} is not a git repository",
+        raise InputError(f"source {name}: {checkout} is not a git repository",
                           hint=f"clone the adapter there (a bare clone is enough), or fix --source {name}=PATH"
                           ) from None
     try:
         return str(repo.git.rev_parse("--verify", "--quiet", f"{rev}^{{commit}}"))
     except git.GitCommandError:
-        raise SourceError(f"source {name}: commit {rev} is not in {checkout}",
+        raise InputError(f"source {name}: commit {rev} is not in {checkout}",
                           hint=f"git -C {checkout} fetch, or correct the pinned commit") from None
 
 
@@ -69,14 +70,14 @@ def export_source(source: Source, checkout: Path, commit: str, paths: list[str])
             try:
                 top = top / source.subdir
             except KeyError:
-                raise SourceError(f"source {source.name}: no folder {source.subdir!r} at commit {commit[:12]}",
+                raise InputError(f"source {source.name}: no folder {source.subdir!r} at commit {commit[:12]}",
                                   hint="fix sources[].subdir, or the pinned commit") from None
         digests: dict[str, str] = {}
         for rel in paths:
             blobs = _blobs(top, rel)
             if not blobs:
                 where = f"{source.subdir}/{rel}" if source.subdir else rel
-                raise SourceError(f"source {source.name}: {where} is not in commit {commit[:12]}",
+                raise InputError(f"source {source.name}: {where} is not in commit {commit[:12]}",
                                   hint="fix the deploy's @name/path, or the pinned commit")
             for path, blob in blobs.items():
                 data = blob.data_stream.read()
@@ -101,7 +102,7 @@ def parse_source_override(item: str) -> tuple[str, str, str | None]:
     """NAME=PATH or NAME=PATH@COMMIT (the commit overrides the pin for one run)."""
     name, sep, rest = item.partition("=")
     if not sep or not name or not rest:
-        raise SourceError(f"--source {item!r}: expected NAME=PATH or NAME=PATH@COMMIT",
+        raise InputError(f"--source {item!r}: expected NAME=PATH or NAME=PATH@COMMIT",
                           hint="e.g. --source qwen36-adapter=../competition")
     path, at, rev = rest.rpartition("@")
     if at and path and re.fullmatch(r"[0-9a-fA-F]{7,40}", rev):
@@ -109,23 +110,23 @@ def parse_source_override(item: str) -> tuple[str, str, str | None]:
     return name, rest, None
 
 
-def resolve_trees(recipe: Recipe, recipe_dir: Path,
+def resolve_pinned(recipe: Recipe, recipe_dir: Path,
                   overrides: dict[str, tuple[str, str | None]]) -> tuple[dict[str, Path], dict[str, str]]:
     """Each declared source with a local clone, its used files exported at the pinned (or overriding) commit.
 
-    Returns the trees and the commits actually exported, by source name.
+    Returns the checkouts and the commits actually exported, by source name.
     """
     unknown = sorted(set(overrides) - {s.name for s in recipe.sources})
     if unknown:
-        raise SourceError(f"--source names no declared source: {', '.join(unknown)}",
+        raise InputError(f"--source names no declared source: {', '.join(unknown)}",
                           hint=f"declared: {', '.join(s.name for s in recipe.sources) or 'none'}")
-    trees: dict[str, Path] = {}
+    pinned: dict[str, Path] = {}
     commits: dict[str, str] = {}
     for source in recipe.sources:
         local, rev = overrides.get(source.name, (source.path, None))
         if local:
             checkout = Path(local) if Path(local).is_absolute() or source.name in overrides else recipe_dir / local
             tree = export_source(source, checkout.resolve(), rev or source.commit, used_paths(recipe, source.name))
-            trees[source.name] = tree
+            pinned[source.name] = tree
             commits[source.name] = str(source_info(tree)["commit"])
-    return trees, commits
+    return pinned, commits

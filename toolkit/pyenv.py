@@ -1,4 +1,4 @@
-"""Cached virtual environments built by pip (the CPU test server, the CPU runtime of vendor trees)."""
+"""Cached virtual environments built by pip (the CPU test server, the CPU runtime of vendor pinned)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.errors import SourceError
-from toolkit.sources import COMPLETE, cache_dir, cached_tree
+from toolkit.errors import InputError
+from toolkit.inputs import COMPLETE, cache_dir, cached_tree
 
 TORCH = "torch==2.13.0"  # the CPU wheel this machine's pip finds; a plain `torch` pulls a CUDA build
 
@@ -18,7 +18,7 @@ def pip(python: Path, *args: str) -> None:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise SourceError(f"pip {' '.join(args[:3])} ... failed:\n{tail}",
+        raise InputError(f"pip {' '.join(args[:3])} ... failed:\n{tail}",
                           hint="check that the package index is reachable, then run again (nothing half-built "
                           "is kept)")
 

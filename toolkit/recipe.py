@@ -2,84 +2,25 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import keyword
+import functools
+import operator
 import re
-import textwrap
 import types
 import typing
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import libcst as cst
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from toolkit.errors import RecipeError
+from toolkit.fields import ENV_PATTERN, ID_PATTERN, DottedName, Identifier, Strict, relative_path
+from toolkit.transforms import KINDS
+from toolkit.transforms.base import TransformBase
+from toolkit.transforms.deploy import Deploy
 from toolkit.yamlpos import Located, YamlLoadError, load
-
-ID_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
-ENV_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _python_expression(value: str) -> str:
-    try:
-        cst.parse_expression(value)
-    except cst.ParserSyntaxError as exc:
-        raise ValueError(f"not a Python expression: {value!r} ({exc.message})") from None
-    return value
-
-
-def _relative_path(value: str) -> str:
-    path = PurePosixPath(value)
-    if path.is_absolute() or ".." in path.parts or "\\" in value or not value:
-        raise ValueError(f"must be a relative POSIX path inside the tree, got {value!r}")
-    return value
-
-
-# Names are defined once, as a pattern plus a keyword ban; the loader and the JSON Schema both take them from here,
-# so a value one accepts the other accepts too.
-_IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
-_DOTTED = rf"{_IDENT}(?:\.{_IDENT})*"
-_KEYWORDS = "|".join(keyword.kwlist)
-
-
-def _banned(separators: str) -> str:
-    edge = f"[{re.escape(separators)}]" if separators else "$^"
-    return rf"(?:^|{edge})(?:{_KEYWORDS})(?:{edge}|$)"
-
-
-def _name_field(pattern: str, separators: str, description: str) -> Any:
-    return Field(pattern=f"^{pattern}$", description=description,
-                 json_schema_extra={"not": {"pattern": _banned(separators)}})
-
-
-def _no_keyword(separators: str) -> AfterValidator:
-    banned = _banned(separators)
-
-    def check(value: str) -> str:
-        if re.search(banned, value):
-            raise ValueError(f"{value!r} uses a Python keyword as a name")
-        return value
-
-    return AfterValidator(check)
-
-
-PyExpr = Annotated[str, Field(description="A Python expression, compared structurally (formatting-independent)"),
-                   AfterValidator(_python_expression)]
-Identifier = Annotated[str, _name_field(_IDENT, "", "A Python identifier (not a keyword)"), _no_keyword("")]
-DottedName = Annotated[str, _name_field(_DOTTED, ".", "A dotted Python name, e.g. torch.ops.foo"), _no_keyword(".")]
-ScopeName = Annotated[str, _name_field(f"(?:{_DOTTED})?", ".", "A dotted scope; empty for the module"),
-                      _no_keyword(".")]
-CallableRef = Annotated[str, _name_field(f"{_DOTTED}:{_IDENT}", ".:", "A callable as module.path:function"),
-                        _no_keyword(".:")]
 
 
 class Hardware(Strict):
@@ -155,267 +96,12 @@ class Vendor(Strict):
         return self.reference.partition("==")[2]
 
 
-class Gate(Strict):
-    vendor_version: str | None = Field(
-        default=None, description="Apply only when the root's vendor version matches this specifier"
-    )
-
-    @field_validator("vendor_version")
-    @classmethod
-    def _spec(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                SpecifierSet(value)
-            except InvalidSpecifier:
-                raise ValueError(f"not a version specifier: {value!r}") from None
-        return value
-
-
-class TransformBase(Strict):
-    kind: str
-    id: str = Field(pattern=ID_PATTERN, description="Unique id; it is also the marker name")
-    why: str = Field(min_length=1, description="Provenance: why this change is needed")
-    remove_when: str = Field(min_length=1, description="Provenance: when this change can be dropped")
-    gate: Gate | None = Field(default=None, description="Conditions that exclude this transform (GATED_OFF)")
-    package: str | None = Field(
-        default=None, description="The package whose roots this transform edits: vendor.package (default) or "
-        "a name declared under packages (e.g. transformers); paths are relative to that package's roots")
-    requires: list[str] = Field(
-        default_factory=list, description="Ids of transforms whose files this one needs at run time (e.g. an import "
-        "of a deployed module): where they cannot be applied (a source not available here), neither is this one")
-
-    # Fields that do not change what the transform does; a change to them must not make markers stale.
-    _provenance_fields: typing.ClassVar[frozenset[str]] = frozenset({"why", "remove_when", "requires"})
-
-    @property
-    def target_label(self) -> str:
-        """What the transform changes, as shown in reports."""
-        return str(getattr(self, "file", None) or getattr(self, "dest", None) or getattr(self, "link", ""))
-
-    def digest(self) -> str:
-        body = self.model_dump(mode="json", exclude=set(self._provenance_fields))
-        if body.get("package") is None:
-            body.pop("package", None)  # the default package: digests of existing transforms stay as they were
-        raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(raw).hexdigest()[:12]
-
-
-class SourceTransform(TransformBase):
-    file: str = Field(description="Module path relative to the vendor root, e.g. vllm/engine/arg_utils.py")
-    scope: ScopeName = Field(default="",
-                             description="Dotted scope inside the module, e.g. EngineArgs.create_model_config")
-    expect: int = Field(default=1, ge=1, description="How many sites must match (the match contract)")
-
-    @field_validator("file")
-    @classmethod
-    def _py_file(cls, value: str) -> str:
-        _relative_path(value)
-        if not value.endswith(".py"):
-            raise ValueError(f"source transforms edit .py files, got {value!r}")
-        return value
-
-
-class SetKwarg(SourceTransform):
-    """Set a keyword argument of a call inside a scope (un-hardcode a literal)."""
-
-    kind: Literal["set-kwarg"]
-    call: DottedName = Field(description="The callee as written, e.g. ModelConfig or torch.ops.foo")
-    arg: Identifier = Field(description="The keyword argument name")
-    old: PyExpr | None = Field(default=None, description="The value it must have now (any value when omitted)")
-    new: PyExpr = Field(description="The value to set")
-
-
-class Assign(SourceTransform):
-    """Replace or remove a plain assignment `target = old` inside a scope."""
-
-    kind: Literal["assign"]
-    target: Identifier = Field(description="The assigned name")
-    old: PyExpr | None = Field(default=None, description="The value assigned now (any value when omitted)")
-    new: PyExpr | None = Field(default=None, description="The new value; omit to remove the statement")
-    others: int = Field(
-        default=0, ge=0,
-        description="How many other assignments to the target the scope holds, before and after (e.g. upstream's "
-        "own heuristic before a vendor override); any other count means the code changed: DRIFTED")
-
-    @model_validator(mode="after")
-    def _remove_needs_old(self) -> Assign:
-        if self.new is None and self.old is None:
-            raise ValueError("removing an assignment needs `old` so that only the intended statement goes")
-        return self
-
-
-class DictEntries(SourceTransform):
-    """Insert entries into a dict literal bound to a name."""
-
-    kind: Literal["dict-entries"]
-    name: Identifier = Field(description="The name the dict literal is assigned to")
-    entries: dict[str, PyExpr] = Field(min_length=1, description="String key -> value expression")
-    after: str | None = Field(default=None, description="Insert after this existing key (default: at the end)")
-
-
-class Dispatch(SourceTransform):
-    """Insert `if <switch on> [and <when>]: return injected(...)` at the top of a function."""
-
-    kind: Literal["dispatch"]
-    switch: str = Field(pattern=ENV_PATTERN, description="Environment variable that turns the fast path on")
-    default: Literal["0", "1"] | None = Field(
-        default=None, description="Value of the switch when it is unset; omitted: the default in the injected "
-        "package's switches.json (the one table the package reads too)")
-    target: CallableRef = Field(description="The injected callable, as module.path:function")
-    args: list[PyExpr] | None = Field(
-        default=None, description="Arguments passed to it (default: the function's own parameters, in order)"
-    )
-    when: PyExpr | None = Field(default=None, description="An extra condition, evaluated inside the function")
-
-
-
-class AddImport(SourceTransform):
-    """Add `import module` or `from module import names` after the module's imports."""
-
-    kind: Literal["add-import"]
-    module: DottedName
-    names: list[Identifier] = Field(default_factory=list,
-                                    description="Names to import from the module (empty: import it)")
-
-    @model_validator(mode="after")
-    def _module_scope(self) -> AddImport:
-        if self.scope:
-            raise ValueError("add-import works at module level; leave `scope` empty")
-        return self
-
-
-def _python_block(value: str) -> str:
-    try:
-        module = cst.parse_module(textwrap.dedent(value).strip("\n") + "\n")
-    except cst.ParserSyntaxError as exc:
-        raise ValueError(f"not Python statements: {exc.message} at line {exc.raw_line}") from None
-    if not module.body:
-        raise ValueError("no statement given")
-    return value
-
-
-PyBlock = Annotated[str, Field(description="Python statements (dedented; compared structurally)"),
-                    AfterValidator(_python_block)]
-
-
-class Statements(SourceTransform):
-    """Replace a run of statements in a scope (`old`), insert after one (`after`), or insert at the scope's top."""
-
-    kind: Literal["statements"]
-    old: PyBlock | None = Field(default=None, description="The consecutive statements to replace")
-    after: PyBlock | None = Field(default=None, description="The statement(s) to insert `new` after")
-    new: PyBlock = Field(description="The statements written instead of `old`, after `after`, or at the top")
-
-    @model_validator(mode="after")
-    def _one_place(self) -> Statements:
-        if self.old is not None and self.after is not None:
-            raise ValueError("give `old` (replace) or `after` (insert after), not both")
-        if self.old is None and self.after is None and not self.scope:
-            raise ValueError("inserting at the top needs a function or class `scope`")
-        return self
-
-
-class ReplaceBody(SourceTransform):
-    """Replace a function body with the body of a function in patches/src."""
-
-    kind: Literal["replace-body"]
-    source: str = Field(description="path/in/patches.py:qualified.function whose body is used")
-    old_digest: str | None = Field(
-        default=None, description="sha256 prefix of the body being replaced (toolkit diff prints it)"
-    )
-
-    @field_validator("source")
-    @classmethod
-    def _source(cls, value: str) -> str:
-        path, sep, qualname = value.partition(":")
-        if not sep:
-            raise ValueError(f"source must be path.py:function, got {value!r}")
-        _relative_path(path)
-        if not re.fullmatch(_DOTTED, qualname) or re.search(_banned("."), qualname):
-            raise ValueError(f"not a dotted Python name: {qualname!r}")
-        return value
-
-
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="A full sha256 in hex")]
-
-
-class Deploy(TransformBase):
-    """Copy a file or folder from patches/src into a vendor root (relative dest) or the image (absolute dest)."""
-
-    kind: Literal["deploy"]
-    source: str = Field(description="Path relative to the recipe's patches folder")
-    dest: str = Field(description="Relative: inside every vendor root; absolute: inside the image filesystem")
-    overwrite: bool = Field(default=False, description="Allow replacing a file that exists with other content")
-    replaces: Sha256 | None = Field(
-        default=None, description="A whole-file replacement as a contract: the sha256 (line endings normalised "
-        "to LF) of the vendor file this deploy replaces. Any other file there is DRIFTED and nothing is written; "
-        "one file only")
-
-    @field_validator("source")
-    @classmethod
-    def _source(cls, value: str) -> str:
-        if value.startswith("@"):
-            name, _, rest = value[1:].partition("/")
-            if not name or not rest:
-                raise ValueError(f"a file of a declared source is written @name/path, got {value!r}")
-            _relative_path(rest)
-            return value
-        return _relative_path(value)
-
-    @property
-    def tree(self) -> str | None:
-        """The declared source this deploy takes its files from, if any."""
-        return self.source[1:].partition("/")[0] if self.source.startswith("@") else None
-
-    @property
-    def tree_path(self) -> str:
-        return self.source[1:].partition("/")[2] if self.source.startswith("@") else self.source
-
-    @model_validator(mode="after")
-    def _one_replacement(self) -> Deploy:
-        if self.replaces is not None and self.overwrite:
-            raise ValueError("`replaces` already allows the replacement, and only of that file: drop `overwrite`")
-        if self.replaces is not None and self.package is None and self.dest.startswith("/"):
-            raise ValueError("`replaces` contracts a vendor file: dest is relative to the package roots")
-        return self
-
-    @field_validator("dest")
-    @classmethod
-    def _dest(cls, value: str) -> str:
-        if value.startswith("/"):
-            _relative_path(value.lstrip("/"))
-        else:
-            _relative_path(value)
-        return value
-
-
-class Symlink(TransformBase):
-    """Create a symlink; the target may be a glob, resolved beside the link (exactly `expect` matches)."""
-
-    kind: Literal["symlink"]
-    link: str = Field(description="Absolute: in the image filesystem; relative: in every vendor root")
-    target: str = Field(description="What the link points to; a glob (*, ?) is resolved in the link's folder")
-    expect: int = Field(default=1, ge=1, le=1, description="How many files the glob must match")
-
-    @model_validator(mode="after")
-    def _no_package(self) -> Symlink:
-        if self.package is not None:
-            raise ValueError("a symlink is made in the vendor roots or the image filesystem; drop `package`")
-        return self
-
-    @property
-    def is_glob(self) -> bool:
-        return any(ch in self.target for ch in "*?[")
-
-
-Transform = Annotated[
-    SetKwarg | Assign | DictEntries | Dispatch | AddImport | Statements | ReplaceBody | Deploy | Symlink,
-    Field(discriminator="kind"),
-]
-TRANSFORM_MODELS: dict[str, type[TransformBase]] = {
-    typing.get_args(m.model_fields["kind"].annotation)[0]: m
-    for m in (SetKwarg, Assign, DictEntries, Dispatch, AddImport, Statements, ReplaceBody, Deploy, Symlink)
-}
+if typing.TYPE_CHECKING:
+    Transform = TransformBase
+else:  # the discriminated union of every registered kind's model
+    Transform = Annotated[functools.reduce(operator.or_, (k.model for k in KINDS.values())),
+                          Field(discriminator="kind")]
+TRANSFORM_MODELS: dict[str, type[TransformBase]] = {name: k.model for name, k in KINDS.items()}
 
 ArgValue = str | int | float | bool | list[str] | None
 
@@ -497,7 +183,7 @@ class Source(Strict):
     @field_validator("subdir")
     @classmethod
     def _subdir(cls, value: str | None) -> str | None:
-        return None if value is None else _relative_path(value.rstrip("/"))
+        return None if value is None else relative_path(value.rstrip("/"))
     provides_flags: list[str] = Field(default_factory=list, description="Server flags its CLI module adds")
     provides_tool_parsers: list[str] = Field(default_factory=list)
 
@@ -575,7 +261,7 @@ class Recipe(Strict):
     def _known_sources(self) -> Recipe:
         names = {s.name for s in self.sources}
         for t in self.transforms:
-            tree = getattr(t, "tree", None)
+            tree = t.pinned
             if tree is not None and tree not in names:
                 raise ValueError(f"transform {t.id} deploys from @{tree}, which is not declared under sources "
                                  f"(declared: {', '.join(sorted(names)) or 'none'})")

@@ -13,6 +13,7 @@ from rich.table import Table
 from toolkit.results import Report, Severity, State
 
 _STYLE = {
+    State.WOULD_APPLY: "green",
     State.APPLIED: "green",
     State.ALREADY_APPLIED: "cyan",
     State.SUPERSEDED: "yellow",

@@ -8,6 +8,7 @@ from typing import Any
 
 
 class State(str, enum.Enum):
+    WOULD_APPLY = "WOULD_APPLY"  # planned, not written (diff, --dry-run, trials); an apply that commits says APPLIED
     APPLIED = "APPLIED"
     ALREADY_APPLIED = "ALREADY_APPLIED"
     SUPERSEDED = "SUPERSEDED"

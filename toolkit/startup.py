@@ -13,7 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from toolkit.recipe import Deploy, DictEntries, Recipe
+from toolkit.recipe import Recipe
+from toolkit.transforms.deploy import Deploy
+from toolkit.transforms.dict_entries import DictEntries
 
 REGISTRY = "vllm/model_executor/models/registry.py"
 CLI_MODULES = ("vllm/entrypoints/openai/cli_args.py", "vllm/engine/arg_utils.py")

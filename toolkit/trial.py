@@ -16,11 +16,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from toolkit.engine import Engine, run_packages
-from toolkit.recipe import Deploy, LoadedRecipe, Recipe, SourceTransform
+from toolkit.corexlike import VENDOR_EDITS, make_rootfs
+from toolkit.engine.plan import Engine, run_packages
+from toolkit.inputs import cache_dir, cached_tree, fetch_reference, package_roots, reference_root, rootfs_roots
+from toolkit.recipe import LoadedRecipe, Recipe
 from toolkit.results import Result, State
-from toolkit.sources import cache_dir, cached_tree, fetch_reference, package_roots, reference_root, rootfs_roots
-from toolkit.testing import VENDOR_EDITS, make_rootfs
+from toolkit.transforms.base import ModuleEdit
+from toolkit.transforms.deploy import Deploy
 
 PLAIN = "plain"  # marks a cached tree where the documented vendor edits did not apply to the release
 
@@ -66,17 +68,17 @@ def reference_rootfs(recipe: Recipe) -> tuple[Path, bool]:
     return tree, not (tree / PLAIN).exists()
 
 
-def untried_here(recipe: Recipe, trees: dict[str, Path]) -> dict[str, str]:
+def untried_here(recipe: Recipe, pinned: dict[str, Path]) -> dict[str, str]:
     """Transforms that need a pinned source with no local copy: deploys from it, edits of what they deploy, and
     transforms that require any of those."""
     out: dict[str, str] = {}
     missing_dests: list[tuple[str, str]] = []
     for t in recipe.transforms:
-        if isinstance(t, Deploy) and t.tree is not None and t.tree not in trees:
-            out[t.id] = f"deploys from source {t.tree}, which the image build fetches"
-            missing_dests.append((t.dest, t.tree))
+        if t.pinned is not None and t.pinned not in pinned:
+            out[t.id] = f"deploys from source {t.pinned}, which the image build fetches"
+            missing_dests.append((t.target_label, t.pinned))
     for t in recipe.transforms:
-        if isinstance(t, SourceTransform):
+        if isinstance(t, ModuleEdit):
             for dest, tree in missing_dests:
                 if PurePosixPath(t.file) == PurePosixPath(dest) or PurePosixPath(dest) in PurePosixPath(t.file).parents:
                     out[t.id] = f"edits {t.file}, deployed from source {tree}, which the image build fetches"
@@ -91,9 +93,9 @@ def untried_here(recipe: Recipe, trees: dict[str, Path]) -> dict[str, str]:
     return out
 
 
-def try_recipe(loaded: LoadedRecipe, trees: dict[str, Path], rootfs: Path | None = None) -> Trial:
+def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | None = None) -> Trial:
     recipe = loaded.recipe
-    untried = untried_here(recipe, trees)
+    untried = untried_here(recipe, pinned)
     notes: list[str] = []
     if rootfs is not None:
         base, where, exact = rootfs, f"the vendor roots under {rootfs}", True
@@ -104,7 +106,7 @@ def try_recipe(loaded: LoadedRecipe, trees: dict[str, Path], rootfs: Path | None
         exact = False
     # off the real image the version is the reference's, so vendor.version is not checked there; nor are the
     # replaced vendor files the real image's
-    engines = [Engine(loaded, rootfs_roots(recipe, base), base, check_version=exact, trees=trees,
+    engines = [Engine(loaded, rootfs_roots(recipe, base), base, check_version=exact, pinned=pinned,
                       skip=frozenset(untried), check_replaced=exact)]
     for package in recipe.packages:
         if not recipe.for_package(package.name):
@@ -117,7 +119,7 @@ def try_recipe(loaded: LoadedRecipe, trees: dict[str, Path], rootfs: Path | None
             for t in recipe.for_package(package.name):
                 untried[t.id] = f"edits package {package.name}, which has no roots here and no release to try on"
             continue
-        engines.append(Engine(loaded, roots, base, trees=trees, skip=frozenset(untried), package=package.name))
+        engines.append(Engine(loaded, roots, base, pinned=pinned, skip=frozenset(untried), package=package.name))
     plan = run_packages(engines)
     contracts = [t.id for t in recipe.transforms if isinstance(t, Deploy) and t.replaces and t.id not in untried]
     if contracts and not exact:

@@ -3,5 +3,6 @@
 Owns: the streaming client and its per-request records (`client`, `sse`), the workloads (`workloads`), the run
 metrics, official score and targets (`metrics`), what a run writes (`output`), the server lifecycle and leftover
 checks (`serve`), the cached CPU test server (`cpu_server`) and the experiment runner (`experiment`).
-May import: the recipe, variants, render and results stages. Nothing but the CLI imports this package.
+May import: every earlier stage (recipe, variants, lint, the submission's render, results). Nothing but the
+CLI imports this package.
 """

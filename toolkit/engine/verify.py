@@ -1,72 +1,43 @@
-"""verify: every root carries every marker and post-state, compiles, and keeps its line endings."""
+"""Verify: the engine's check mode. Every root carries every marker and post-state (the per-file evaluation that
+plans an apply, checking instead of rewriting), every file compiles and keeps its line endings."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-import libcst as cst
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from toolkit.engine import STATE_FILE, Engine, TextFile, gated_off, read_state
-from toolkit.markers import read_markers
-from toolkit.recipe import LoadedRecipe, SourceTransform
+from toolkit.engine.evaluate import Evaluation, evaluate, gated_off
+from toolkit.engine.plan import Engine
+from toolkit.engine.state import read_state
+from toolkit.inputs import Root, version_with_source
+from toolkit.recipe import LoadedRecipe
 from toolkit.results import Finding, Report, Result, State
-from toolkit.sources import Root, version_with_source
 from toolkit.startup import startup_checks
-from toolkit.transforms.base import Probe, decide
-
-NOT_APPLIED = "not applied: the pre-state is still there (run `toolkit apply`)"
-
-
-Parsed = tuple[TextFile, cst.Module, dict[str, Probe]]
+from toolkit.transforms.base import ModuleEdit
+from toolkit.transforms.deploy import DeployKind
 
 
 def _verify_sources(engine: Engine, root: Root, version: str | None,
-                    cache: dict[tuple[str, str], Parsed | Exception]) -> tuple[list[Result], list[Finding]]:
-    """Check one root; roots holding byte-identical files share one parse (cache keyed by sha256)."""
+                    cache: dict[tuple[str, ...], Evaluation]) -> tuple[list[Result], list[Finding]]:
+    """Check one root; roots holding byte-identical files share one evaluation (cache keyed by sha256)."""
     results: list[Result] = []
     findings: list[Finding] = []
-    for rel in dict.fromkeys(t.file for t in engine.source_specs):
-        specs = [t for t in engine.source_specs if t.file == rel]
+    marked = read_state(root.path).get("marked", [])
+    marked = marked if isinstance(marked, list) else []
+    for rel in dict.fromkeys(t.file for t in engine.edit_specs):
+        kinds = [engine.edits[t.id] for t in engine.edit_specs if t.file == rel]
         path = root.path / rel
-        if not path.is_file():
-            results.extend(engine._result(t, root.label, rel, State.DRIFTED, f"{rel}: file not found") for t in specs)
-            continue
-        data = path.read_bytes()
-        key = (rel, hashlib.sha256(data).hexdigest())
+        data = path.read_bytes() if path.is_file() else None
+        key = (rel, hashlib.sha256(data).hexdigest() if data is not None else "missing", *sorted(marked))
         if key not in cache:
-            try:
-                tf = TextFile.decode(data)
-                compile(data, str(path), "exec", dont_inherit=True)
-                module = cst.parse_module(tf.text)
-                probes = {t.id: engine.source[t.id].probe(module) for t in specs}
-                cache[key] = (tf, module, probes)
-            except (UnicodeDecodeError, SyntaxError, cst.ParserSyntaxError) as exc:
-                cache[key] = exc
-        parsed = cache[key]
-        if isinstance(parsed, Exception):
-            findings.append(Finding("compile", root.label, rel, f"does not compile: {parsed}"))
-            results.extend(engine._result(t, root.label, rel, State.DRIFTED, f"{rel}: unreadable") for t in specs)
-            continue
-        tf, module, probes = parsed
-        markers = read_markers(tf.text)
-        marked = read_state(root.path).get("marked", [])
-        for spec in specs:
-            why_off = gated_off(spec, version)
-            if why_off:
-                results.append(engine._result(spec, root.label, rel, State.GATED_OFF, why_off))
-                continue
-            decision = decide(spec, probes[spec.id], markers.get(spec.id))
-            state, message = decision.state, decision.message
-            if state is State.APPLIED:
-                state, message = State.DRIFTED, f"{rel}: {NOT_APPLIED}"
-            elif state is State.SUPERSEDED and isinstance(marked, list) and spec.id in marked:
-                state, message = State.DRIFTED, (
-                    f"{rel}: marker missing although toolkit applied this transform here "
-                    f"(per {STATE_FILE}); the file was edited after apply")
-            results.append(engine._result(spec, root.label, rel, state, message))
+            cache[key] = evaluate(rel, data, kinds, version, check=True, marked=marked)
+        checked = cache[key]
+        if checked.unreadable:
+            findings.append(Finding("compile", root.label, rel, checked.unreadable))
+        results.extend(engine._verdict(verdict, root.label, rel) for verdict in checked.states)
     return results, findings
 
 
@@ -80,14 +51,14 @@ def _lf_findings(label: str, base: Path, files: list[Path], check: str) -> list[
 
 
 def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
-                trees: dict[str, Path] | None = None, package: str | None = None) -> Report:
-    engine = Engine(loaded, roots, rootfs, check_version=False, trees=trees, package=package)
+                pinned: dict[str, Path] | None = None, package: str | None = None) -> Report:
+    engine = Engine(loaded, roots, rootfs, check_version=False, pinned=pinned, package=package)
     recipe = loaded.recipe
     package = engine.package
     results: list[Result] = []
     findings: list[Finding] = []
     notes: list[str] = []
-    cache: dict[tuple[str, str], Parsed | Exception] = {}
+    cache: dict[tuple[str, ...], Evaluation] = {}
     found = {root.label: version_with_source(root.path, package) for root in roots}
     versions = {label: v for label, (v, _) in found.items()}
     for root in roots:
@@ -108,7 +79,7 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
     # deploys and links: planning them with nothing left to do is exactly "in place"
     version = versions[roots[0].label]
     for spec in engine.transforms:
-        if isinstance(spec, SourceTransform):
+        if isinstance(spec, ModuleEdit):
             continue
         kind = engine.files[spec.id]
         shown = spec.target_label
@@ -121,11 +92,11 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
                 continue
             plan = engine.plan_file_kind(kind, base, {})
             state, message = plan.state, plan.message
-            if state is State.APPLIED:
+            if state is State.WOULD_APPLY:
                 state, message = State.DRIFTED, f"not in place: {message}"
             results.append(engine._result(spec, label, shown, state, message))
-            if spec.kind == "deploy":
-                deployed = [target for target, _ in kind.targets(base).values()]  # type: ignore[union-attr]
+            if isinstance(kind, DeployKind):
+                deployed = [target for target, _ in kind.targets(base).values()]
                 texts = [p for p in deployed if not _binary(p)]
                 findings.extend(_lf_findings(label, base, texts, "line-endings"))
     if engine.package == recipe.vendor.package:

@@ -1,156 +1,21 @@
-"""`toolkit lint`: configurations that cannot start, caught from the recipe before a remote launch."""
+"""`toolkit lint`: configurations that cannot start, caught from the recipe before a remote launch.
+
+The package owns the lint stage: `context` (what a rule sees, the registry), `rules` (each rule, registered on
+import), `kv` (the KV-cache estimate), `vllm_cli` (the pinned vLLM's flags, read from source). It may import the
+recipe, sources, the engine and the trial (a rule checks remove_when against a given image); nothing later."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packaging.version import Version
-
-from toolkit.errors import SourceError
-from toolkit.recipe import ArgValue, Deploy, LoadedRecipe, Recipe
+from toolkit.lint import rules as _rules  # noqa: F401  (the rules register themselves in RULES on import)
+from toolkit.lint.context import RULES, LintContext
+from toolkit.recipe import LoadedRecipe, Recipe
 from toolkit.results import Issue, Severity
-from toolkit.sources import fetch_reference
 
-TRUE = {"true", "1", "yes", "on"}
-FALSE = {"false", "0", "no", "off"}
-
-
-@dataclass
-class LintContext:
-    loaded: LoadedRecipe
-    recipe: Recipe  # with the variant's overrides applied
-    variant: str | None = None
-    rootfs: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    # -- serve args, by their dash spelling -----------------------------------------------------
-
-    @cached_property
-    def args(self) -> dict[str, ArgValue]:
-        return {k.replace("_", "-"): v for k, v in self.recipe.serve.args.items()}
-
-    def arg(self, name: str) -> ArgValue:
-        return self.args.get(name)
-
-    def has_flag(self, name: str) -> bool:
-        value = self.arg(name)
-        return value is True or (isinstance(value, str) and value.lower() in TRUE)
-
-    def int_arg(self, name: str, default: int | None = None) -> int | None:
-        value = self.arg(name)
-        if value is None or isinstance(value, bool | list):
-            return default
-        try:
-            return int(float(value))
-        except ValueError:
-            return default
-
-    def float_arg(self, name: str, default: float) -> float:
-        value = self.arg(name)
-        try:
-            return float(value) if value is not None and not isinstance(value, bool | list) else default
-        except ValueError:
-            return default
-
-    def line_of_arg(self, name: str) -> int | None:
-        for key in (name, name.replace("-", "_")):
-            if self.variant and (line := self._variant_line("args", key)):
-                return line
-            if key in self.recipe.serve.args:
-                return self.loaded.line_of("serve", "args", key)
-        return self.loaded.line_of("serve", "args")
-
-    def line_of_env(self, name: str) -> int | None:
-        if self.variant and (line := self._variant_line("env", name)):
-            return line
-        return self.loaded.line_of("env", name)
-
-    def _variant_line(self, section: str, key: str) -> int | None:
-        loc = ("variants", self.variant or "", section, key)
-        if loc in self.loaded.located.key_marks:
-            return self.loaded.line_of(*loc)
-        if self.variant and (("matrix", section, key) in self.loaded.located.key_marks):
-            return self.loaded.line_of("matrix", section, key)
-        return None
-
-    # -- vLLM semantics -----------------------------------------------------------------------
-
-    @cached_property
-    def vllm_version(self) -> Version:
-        return Version(self.recipe.vendor.reference_version)
-
-    def chunked_prefill(self) -> bool | None:
-        """True/False when set explicitly, None when left to vLLM."""
-        value = self.arg("enable-chunked-prefill")
-        if value is True:
-            return True
-        if isinstance(value, str):
-            return value.lower() in TRUE if value.lower() in TRUE | FALSE else None
-        return None
-
-    def chunked_prefill_effective(self) -> bool:
-        explicit = self.chunked_prefill()
-        if explicit is not None:
-            return explicit
-        max_len = self.int_arg("max-model-len")
-        # vLLM 0.6.x turns chunked prefill on by itself for contexts above 32K
-        return bool(max_len and max_len > 32768 and self.vllm_version < Version("0.7"))
-
-    def max_num_batched_tokens(self) -> int | None:
-        explicit = self.int_arg("max-num-batched-tokens")
-        if explicit is not None:
-            return explicit
-        max_len = self.int_arg("max-model-len")
-        if self.chunked_prefill_effective():
-            return 512
-        return max(max_len, 2048) if max_len else None
-
-    def attention_backend(self) -> str:
-        return self.recipe.env.get("VLLM_ATTENTION_BACKEND") or self.recipe.base_image.attention_backends[0]
-
-    def unhardcoded(self, kwarg: str) -> bool:
-        return any(getattr(t, "kind", "") == "set-kwarg" and getattr(t, "arg", "") == kwarg
-                   for t in self.recipe.transforms)
-
-    @cached_property
-    def reference_tree(self) -> Path | None:
-        base = self.recipe.base_image
-        try:
-            return fetch_reference(self.recipe.vendor.reference, base.python, base.platform)
-        except SourceError as exc:
-            self.extra["reference_error"] = str(exc)
-            return None
-
-    @cached_property
-    def deployed_paths(self) -> list[Path]:
-        return [self.loaded.patches_dir / t.source for t in self.recipe.transforms
-                if isinstance(t, Deploy) and t.tree is None]
-
-
-Rule = Callable[[LintContext], Iterator[Issue]]
-
-
-@dataclass(frozen=True)
-class RuleInfo:
-    id: str
-    severity: Severity  # the most severe it reports
-    summary: str
-    check: Rule
-
-
-RULES: dict[str, RuleInfo] = {}
-
-
-def rule(rule_id: str, severity: Severity, summary: str) -> Callable[[Rule], Rule]:
-    def register(fn: Rule) -> Rule:
-        RULES[rule_id] = RuleInfo(rule_id, severity, summary, fn)
-        return fn
-
-    return register
+__all__ = ["RULES", "LintResult", "lint"]
 
 
 @dataclass(frozen=True)
@@ -183,6 +48,3 @@ def lint(loaded: LoadedRecipe, recipe: Recipe | None = None, *, variant: str | N
     issues.sort(key=lambda i: (order[i.severity], i.line or 0, i.rule))
     return LintResult(tuple(issues), dict(ctx.extra))
 
-
-# the rules register themselves in RULES on import; they need the definitions above
-from toolkit.lint import rules as _rules  # noqa: E402, F401

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from packaging.version import Version
 
-from toolkit.lint import LintContext, rule
+from toolkit.lint.context import LintContext, rule
 from toolkit.lint.kv import estimate
 from toolkit.lint.vllm_cli import (
     flags_in_source,
@@ -16,8 +16,8 @@ from toolkit.lint.vllm_cli import (
     release_tool_parsers,
     tool_parsers_in_source,
 )
-from toolkit.recipe import SourceTransform
 from toolkit.results import Issue, Severity
+from toolkit.transforms.base import ModuleEdit
 
 E, W, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
 MULTI_STEP_BACKENDS = {"FLASH_ATTN", "ROCM_FLASH", "FLASHINFER"}
@@ -167,7 +167,7 @@ def _known_flags(ctx: LintContext) -> tuple[set[str], set[str], dict[str, str]]:
         flags |= flags_in_source(text)
         parsers |= tool_parsers_in_source(text)
     claimed: dict[str, str] = {}
-    deployed = {getattr(t, "tree", None) for t in ctx.recipe.transforms}
+    deployed = {t.pinned for t in ctx.recipe.transforms}
     for source in ctx.recipe.sources:
         if source.name in deployed:  # its files go into the image; trust what it declares it adds
             flags.update(f.lstrip("-") for f in source.provides_flags)
@@ -236,10 +236,10 @@ def provenance(ctx: LintContext) -> Iterator[Issue]:
                             ctx.loaded.line_of("transforms", index, field_name))
     if ctx.rootfs is None:
         return
-    from toolkit.engine import Engine
+    from toolkit.engine.plan import Engine
     from toolkit.errors import ToolkitError
+    from toolkit.inputs import rootfs_roots
     from toolkit.results import State
-    from toolkit.sources import rootfs_roots
     from toolkit.trial import untried_here
 
     try:
@@ -255,7 +255,7 @@ def provenance(ctx: LintContext) -> Iterator[Issue]:
             yield Issue("provenance", W, f"transform {t.id} is SUPERSEDED in {ctx.rootfs}: its remove_when "
                         f"({t.remove_when!r}) appears to hold",
                         "drop the transform once the new base image is the one you ship",
-                        ctx.loaded.transform_line(index))
+                        ctx.loaded.line_of("transforms", index, "remove_when") or ctx.loaded.transform_line(index))
 
 
 @rule("workdir-shadow", E, "a working directory with a vllm/ folder imports the unpatched copy")
@@ -269,6 +269,6 @@ def workdir(ctx: LintContext) -> Iterator[Issue]:
     elif ctx.rootfs is not None and (ctx.rootfs / wd.lstrip("/") / package).is_dir():
         yield Issue("workdir-shadow", E, f"serve.workdir {wd} contains a {package}/ folder in the image: Python "
                     "imports it before the patched site-packages", "start from a neutral folder", line)
-    if any(isinstance(t, SourceTransform) for t in ctx.recipe.transforms) and wd in ("/", ""):
+    if any(isinstance(t, ModuleEdit) for t in ctx.recipe.transforms) and wd in ("/", ""):
         yield Issue("workdir-shadow", W, "serve.workdir is /: a stray vllm/ at the image root would shadow "
                     "the patched package", "use a dedicated empty folder such as /workspace", line)

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.engine import Engine, commit, run_packages
+from toolkit.engine.plan import Engine, run_packages
+from toolkit.engine.writer import commit
 from toolkit.errors import ToolkitError
+from toolkit.inputs import Root, cache_dir, package_roots, reference_root, rootfs_roots
 from toolkit.lint import lint
 from toolkit.lint.kv import GIB, estimate
 from toolkit.recipe import LoadedRecipe, ModelShape, Recipe
-from toolkit.render import argv
 from toolkit.results import Finding, Report, Severity
-from toolkit.sources import Root, cache_dir, package_roots, reference_root, rootfs_roots
+from toolkit.submission.render import argv
 from toolkit.trial import reference_rootfs, untried_here
 from toolkit.variants import Variant
 
@@ -102,15 +103,15 @@ class Tree:
     where: str
 
 
-def patched_copy(loaded: LoadedRecipe, trees: dict[str, Path], work: Path) -> Tree:
+def patched_copy(loaded: LoadedRecipe, pinned: dict[str, Path], work: Path) -> Tree:
     """The recipe applied to a copy of the CoreX-like reference tree (and each package's release)."""
     recipe = loaded.recipe
     base, _ = reference_rootfs(recipe)
     source = rootfs_roots(recipe, base)[0].path
     vendor = work / "vendor"
     shutil.copytree(source, vendor, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    untried = untried_here(recipe, trees)
-    engines = [Engine(loaded, [Root(recipe.vendor.roots[0], vendor)], None, trees=trees, skip=frozenset(untried),
+    untried = untried_here(recipe, pinned)
+    engines = [Engine(loaded, [Root(recipe.vendor.roots[0], vendor)], None, pinned=pinned, skip=frozenset(untried),
                       check_version=False, check_replaced=False)]
     paths = [vendor]
     for package in recipe.packages:
@@ -119,7 +120,7 @@ def patched_copy(loaded: LoadedRecipe, trees: dict[str, Path], work: Path) -> Tr
         release = reference_root(package.trial_release, recipe.base_image.python, recipe.base_image.platform).path
         target = work / package.name
         shutil.copytree(release, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-        engines.append(Engine(loaded, [Root(str(target), target)], None, trees=trees, skip=frozenset(untried),
+        engines.append(Engine(loaded, [Root(str(target), target)], None, pinned=pinned, skip=frozenset(untried),
                               package=package.name))
         paths.insert(0, target)
     plan = run_packages(engines)
@@ -143,7 +144,7 @@ def given_tree(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str]) -> Tre
 
 
 def _missing_sources(recipe: Recipe, untried: dict[str, str]) -> set[str]:
-    return {str(getattr(t, "tree", "")) for t in recipe.transforms if t.id in untried} - {""}
+    return {t.pinned for t in recipe.transforms if t.id in untried and t.pinned is not None}
 
 
 def _dropped_flags(recipe: Recipe, missing: set[str]) -> dict[str, str]:
@@ -299,30 +300,30 @@ def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
                   extra={"variants": [o.as_json() for o in outcomes]})
 
 
-def _key(loaded: LoadedRecipe, variants: list[Variant], trees: dict[str, Path], python: Path) -> str:
+def _key(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path) -> str:
     """What a preflight result depends on: the recipe as resolved, the variants, the sources, the probe, the runtime."""
     recipe = loaded.recipe.model_dump(mode="json")
     recipe.pop("patches", None)
     patches = sorted((p.relative_to(loaded.patches_dir).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
                      for p in loaded.patches_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    sources = {name: str(tree) for name, tree in sorted(trees.items())}
+    sources = {name: str(tree) for name, tree in sorted(pinned.items())}
     raw = json.dumps([recipe, patches, [v.name for v in variants], sources, PROBE.read_text(), str(python)],
                      sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def cached_run(loaded: LoadedRecipe, variants: list[Variant], trees: dict[str, Path],
+def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path],
                python: Path) -> tuple[list[Outcome], bool]:
     """run() on a patched copy of the reference tree, remembered by everything it depends on (True: from the cache).
 
     `toolkit build` runs this: the same recipe built again does not pay the vendor's import twice."""
-    target = cache_dir() / "preflight" / f"{_key(loaded, variants, trees, python)}.json"
+    target = cache_dir() / "preflight" / f"{_key(loaded, variants, pinned, python)}.json"
     if target.is_file():
         data = json.loads(target.read_text())
         return [Outcome(d["variant"], [Stage(**s) for s in d["stages"]], d["config"], d["kv"], d["lint_errors"],
                         d["not_checked"]) for d in data], True
     with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
-        outcomes = run(loaded, variants, patched_copy(loaded, trees, Path(tmp)), python)
+        outcomes = run(loaded, variants, patched_copy(loaded, pinned, Path(tmp)), python)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".tmp")
     partial.write_text(json.dumps([o.as_json() for o in outcomes]))

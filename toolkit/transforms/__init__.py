@@ -1,42 +1,43 @@
-"""The transform kinds, registered in one table each for source edits and filesystem edits."""
+"""The transform kinds: one registry. Each kind is one module holding its recipe model beside its behaviour and
+ending with `KIND = Kind(Model, Behaviour)`; the recipe's union, the JSON Schema and the engine's dispatch are all
+derived from this table, so a new kind is one module, one line here, and its tests.
+May import: the shared modules (errors, results, fields) only; the recipe imports this package, not the reverse."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from toolkit.transforms import (
+    add_import,
+    assign,
+    deploy,
+    dict_entries,
+    dispatch,
+    replace_body,
+    set_kwarg,
+    statements,
+    symlink,
+)
+from toolkit.transforms.base import Context, EditKind, FileKind, Kind, ModuleEdit, TransformBase
 
-from toolkit.recipe import SourceTransform, TransformBase
-from toolkit.transforms.add_import import AddImportKind
-from toolkit.transforms.assign import AssignKind
-from toolkit.transforms.base import Context, SourceKind
-from toolkit.transforms.deploy import DeployKind
-from toolkit.transforms.dict_entries import DictEntriesKind
-from toolkit.transforms.dispatch import DispatchKind
-from toolkit.transforms.replace_body import ReplaceBodyKind
-from toolkit.transforms.set_kwarg import SetKwargKind
-from toolkit.transforms.statements import StatementsKind
-from toolkit.transforms.symlink import SymlinkKind
-
-SOURCE_KINDS: dict[str, Callable[[Any, Context], SourceKind]] = {
-    "set-kwarg": SetKwargKind,
-    "assign": AssignKind,
-    "dict-entries": DictEntriesKind,
-    "dispatch": DispatchKind,
-    "add-import": AddImportKind,
-    "replace-body": ReplaceBodyKind,
-    "statements": StatementsKind,
-}
-
-FileKind = DeployKind | SymlinkKind
-FILE_KINDS: dict[str, Callable[[Any, Context], FileKind]] = {
-    "deploy": DeployKind,
-    "symlink": SymlinkKind,
-}
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    set_kwarg.KIND,
+    assign.KIND,
+    dict_entries.KIND,
+    dispatch.KIND,
+    add_import.KIND,
+    statements.KIND,
+    replace_body.KIND,
+    deploy.KIND,
+    symlink.KIND,
+)}
 
 
-def source_kind(spec: SourceTransform, ctx: Context) -> SourceKind:
-    return SOURCE_KINDS[spec.kind](spec, ctx)
+def edit_kind(spec: ModuleEdit, ctx: Context) -> EditKind:
+    made = KINDS[spec.kind].behaviour(spec, ctx)
+    assert KINDS[spec.kind].edits_python
+    return made  # type: ignore[return-value]
 
 
 def file_kind(spec: TransformBase, ctx: Context) -> FileKind:
-    return FILE_KINDS[spec.kind](spec, ctx)
+    made = KINDS[spec.kind].behaviour(spec, ctx)
+    assert not KINDS[spec.kind].edits_python
+    return made  # type: ignore[return-value]

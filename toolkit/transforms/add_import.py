@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
-import libcst as cst
+from typing import Literal
 
-from toolkit.recipe import AddImport
-from toolkit.transforms.base import Context, Probe
+import libcst as cst
+from pydantic import Field, model_validator
+
+from toolkit.fields import DottedName, Identifier
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe
+
+
+class AddImport(ModuleEdit):
+    """Add `import module` or `from module import names` after the module's imports."""
+
+    kind: Literal["add-import"]
+    module: DottedName
+    names: list[Identifier] = Field(default_factory=list,
+                                    description="Names to import from the module (empty: import it)")
+
+    @model_validator(mode="after")
+    def _module_scope(self) -> AddImport:
+        if self.scope:
+            raise ValueError("add-import works at module level; leave `scope` empty")
+        return self
 
 
 def _module_name(node: cst.BaseExpression | None) -> str:
@@ -57,3 +75,6 @@ class AddImportKind:
                 at = 1  # after the module docstring
         body.insert(at, cst.parse_statement(self._statement_code() + "\n"))
         return module.with_changes(body=body)
+
+
+KIND = Kind(AddImport, AddImportKind)

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
-import libcst as cst
+from typing import Literal
 
-from toolkit.recipe import Assign
-from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+import libcst as cst
+from pydantic import Field, model_validator
+
+from toolkit.fields import Identifier, PyExpr
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_statements
+
+
+class Assign(ModuleEdit):
+    """Replace or remove a plain assignment `target = old` inside a scope."""
+
+    kind: Literal["assign"]
+    target: Identifier = Field(description="The assigned name")
+    old: PyExpr | None = Field(default=None, description="The value assigned now (any value when omitted)")
+    new: PyExpr | None = Field(default=None, description="The new value; omit to remove the statement")
+    others: int = Field(
+        default=0, ge=0,
+        description="How many other assignments to the target the scope holds, before and after (e.g. upstream's "
+        "own heuristic before a vendor override); any other count means the code changed: DRIFTED")
+
+    @model_validator(mode="after")
+    def _remove_needs_old(self) -> Assign:
+        if self.new is None and self.old is None:
+            raise ValueError("removing an assignment needs `old` so that only the intended statement goes")
+        return self
 
 
 class AssignKind:
@@ -68,18 +90,20 @@ class AssignKind:
         if others != self.spec.others:
             # a changed value is drift, never absence: only the declared number of other assignments may remain
             return Probe(0, 0, f"{shown} ({others} other assignment(s) to {self.spec.target}, the recipe "
-                         f"declares others: {self.spec.others})", self._expected())
+                         f"declares others: {self.spec.others})", self._expected(),
+                         field="old" if self.spec.old is not None else "others")  # a changed value, most often
         if self.spec.new is None and pre == 0:
             # a removal's post-state: the old statement gone from the scope and not moved elsewhere in the module
             inside = {id(s) for _, s, _ in sites}
             moved = sum(1 for s in self._everywhere(module) if id(s) not in inside and self._is_pre(s))
             if moved:
                 return Probe(0, 0, f"{shown}; and `{self.spec.target} = {self.spec.old}` {moved} time(s) elsewhere "
-                             f"in the module, outside {self.spec.scope or 'the module level'}", self._expected())
+                             f"in the module, outside {self.spec.scope or 'the module level'}", self._expected(),
+                             field="scope")
             post = self.spec.expect
         elif self.spec.new is None:
             post = 0
-        return Probe(pre, post, shown, self._expected())
+        return Probe(pre, post, shown, self._expected(), field="old" if self.spec.old is not None else "target")
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)
@@ -96,3 +120,6 @@ class AssignKind:
                 value = cst.parse_expression(self.spec.new)
                 targets[id(stmt)] = lambda n, v=value: n.with_changes(value=v)  # type: ignore[misc]
         return replace_nodes(module, targets, self.spec.scope, ancestors)  # type: ignore[arg-type]
+
+
+KIND = Kind(Assign, AssignKind)

@@ -4,12 +4,73 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from toolkit.errors import ToolkitError
-from toolkit.recipe import Deploy
+from toolkit.fields import Sha256, relative_path
 from toolkit.results import State
-from toolkit.transforms.base import Context
+from toolkit.transforms.base import Context, Kind, TransformBase
 from toolkit.transforms.files import FileOp, FilePlan, under
+
+
+class Deploy(TransformBase):
+    """Copy a file or folder from patches/src into a vendor root (relative dest) or the image (absolute dest)."""
+
+    kind: Literal["deploy"]
+    source: str = Field(description="Path relative to the recipe's patches folder")
+    dest: str = Field(description="Relative: inside every vendor root; absolute: inside the image filesystem")
+    overwrite: bool = Field(default=False, description="Allow replacing a file that exists with other content")
+    replaces: Sha256 | None = Field(
+        default=None, description="A whole-file replacement as a contract: the sha256 (line endings normalised "
+        "to LF) of the vendor file this deploy replaces. Any other file there is DRIFTED and nothing is written; "
+        "one file only")
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        if value.startswith("@"):
+            name, _, rest = value[1:].partition("/")
+            if not name or not rest:
+                raise ValueError(f"a file of a declared source is written @name/path, got {value!r}")
+            relative_path(rest)
+            return value
+        return relative_path(value)
+
+    @property
+    def target_label(self) -> str:
+        return self.dest
+
+    @property
+    def pinned(self) -> str | None:
+        """The declared source this deploy takes its files from, if any."""
+        return self.source[1:].partition("/")[0] if self.source.startswith("@") else None
+
+    def patch_paths(self) -> list[str]:
+        return [] if self.pinned is not None else [self.source]  # a declared source's files travel on their own
+
+    @property
+    def pinned_path(self) -> str:
+        return self.source[1:].partition("/")[2] if self.source.startswith("@") else self.source
+
+    @model_validator(mode="after")
+    def _one_replacement(self) -> Deploy:
+        if self.replaces is not None and self.overwrite:
+            raise ValueError("`replaces` already allows the replacement, and only of that file: drop `overwrite`")
+        if self.replaces is not None and self.package is None and self.dest.startswith("/"):
+            raise ValueError("`replaces` contracts a vendor file: dest is relative to the package roots")
+        return self
+
+    @field_validator("dest")
+    @classmethod
+    def _dest(cls, value: str) -> str:
+        if value.startswith("/"):
+            relative_path(value.lstrip("/"))
+        else:
+            relative_path(value)
+        return value
+
 
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 
@@ -47,13 +108,13 @@ def lf_digest(data: bytes) -> str:
 class DeployKind:
     def __init__(self, spec: Deploy, ctx: Context) -> None:
         self.spec = spec
-        if spec.tree is not None:
-            if spec.tree not in ctx.trees:
+        if spec.pinned is not None:
+            if spec.pinned not in ctx.pinned:
                 raise ToolkitError(
-                    f"transform {spec.id}: source {spec.tree!r} is not available here",
-                    hint=f"pass --source {spec.tree}=PATH (a local checkout), or set sources[].path in the recipe",
+                    f"transform {spec.id}: source {spec.pinned!r} is not available here",
+                    hint=f"pass --source {spec.pinned}=PATH (a local checkout), or set sources[].path in the recipe",
                 )
-            self.source = ctx.trees[spec.tree] / spec.tree_path
+            self.source = ctx.pinned[spec.pinned] / spec.pinned_path
         else:
             self.source = ctx.patches_dir / spec.source
         if not self.source.exists():
@@ -137,5 +198,8 @@ class DeployKind:
         note = f" (+{len(mine)} written patched by transforms)" if mine else ""
         if not ops and not first_time:
             return FilePlan(State.ALREADY_APPLIED, f"{len(placed)} file(s) in place{note}", owned=tuple(placed))
-        return FilePlan(State.APPLIED, f"{len(ops)} of {len(placed)} file(s) written{note}", tuple(ops),
+        return FilePlan(State.WOULD_APPLY, f"{len(ops)} of {len(placed)} file(s) written{note}", tuple(ops),
                         tuple(placed))
+
+
+KIND = Kind(Deploy, DeployKind)

@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import ast
 import json
+from typing import Literal
 
 import libcst as cst
+from pydantic import Field
 
-from toolkit.recipe import DictEntries
-from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+from toolkit.fields import Identifier, PyExpr
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_statements
 
 Container = cst.Dict | cst.List
+
+
+class DictEntries(ModuleEdit):
+    """Insert entries into a dict literal bound to a name."""
+
+    kind: Literal["dict-entries"]
+    name: Identifier = Field(description="The name the dict literal is assigned to")
+    entries: dict[str, PyExpr] = Field(min_length=1, description="String key -> value expression")
+    after: str | None = Field(default=None, description="Insert after this existing key (default: at the end)")
 
 
 def _pair(element: cst.CSTNode) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
@@ -82,6 +93,12 @@ class DictEntriesKind:
                 found.append((container, [*path, node, *extra]))
         return found
 
+    def _at_fault(self, dicts: list[Container]) -> str:
+        """`after` when a mapping lacks the key to insert after, else `entries`."""
+        missing = self.spec.after is not None and any(
+            self.spec.after not in {_key(e) for e in d.elements} for d in dicts)
+        return "after" if missing else "entries"
+
     def _classify(self, d: Container) -> tuple[bool, bool, str]:
         present = {k: e for e in d.elements if (k := _key(e)) is not None}
         ours = {k: present[k] for k in self.spec.entries if k in present}
@@ -104,7 +121,7 @@ class DictEntriesKind:
             return missing_scope(module, self.spec, self._expected())
         dicts = self._dicts(scope)
         if not dicts:
-            return Probe(0, 0, f"no dict literal assigned to {self.spec.name!r}", self._expected())
+            return Probe(0, 0, f"no dict literal assigned to {self.spec.name!r}", self._expected(), field="name")
         pre = post = 0
         notes = []
         for d in dicts:
@@ -115,8 +132,8 @@ class DictEntriesKind:
         found = f"{len(dicts)} dict(s) named {self.spec.name}: " + " | ".join(notes)
         if pre + post != len(dicts):
             # a dict holding some of our keys, or other values for them, is a changed vendor: drift
-            return Probe(0, 0, found, self._expected())
-        return Probe(pre, post, found, self._expected())
+            return Probe(0, 0, found, self._expected(), field=self._at_fault(dicts))
+        return Probe(pre, post, found, self._expected(), field=self._at_fault(dicts))
 
     def _insert(self, d: Container) -> Container:
         elements = list(d.elements)
@@ -149,3 +166,6 @@ class DictEntriesKind:
         targets = {id(d): self._insert for d, _ in sites}
         ancestors = {id(n) for _, path in sites for n in path}
         return replace_nodes(module, targets, self.spec.scope, ancestors)  # type: ignore[arg-type]
+
+
+KIND = Kind(DictEntries, DictEntriesKind)

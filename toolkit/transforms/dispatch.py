@@ -11,13 +11,31 @@ self-contained statement, so it needs no import elsewhere in the vendor module.
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import libcst as cst
+from pydantic import Field
 
 from toolkit.errors import ToolkitError
-from toolkit.recipe import Dispatch
-from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+from toolkit.fields import ENV_PATTERN, CallableRef, PyExpr
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import replace_nodes
+
+
+class Dispatch(ModuleEdit):
+    """Insert `if <switch on> [and <when>]: return injected(...)` at the top of a function."""
+
+    kind: Literal["dispatch"]
+    switch: str = Field(pattern=ENV_PATTERN, description="Environment variable that turns the fast path on")
+    default: Literal["0", "1"] | None = Field(
+        default=None, description="Value of the switch when it is unset; omitted: the default in the injected "
+        "package's switches.json (the one table the package reads too)")
+    target: CallableRef = Field(description="The injected callable, as module.path:function")
+    args: list[PyExpr] | None = Field(
+        default=None, description="Arguments passed to it (default: the function's own parameters, in order)"
+    )
+    when: PyExpr | None = Field(default=None, description="An extra condition, evaluated inside the function")
+
 
 SWITCH_TABLE = "switches.json"  # beside the injected package's __init__.py
 
@@ -98,7 +116,8 @@ class DispatchKind:
         if fn is None:
             return missing_scope(module, self.spec, self._expected())
         if not isinstance(fn, cst.FunctionDef):
-            return Probe(0, 0, f"{self.spec.scope} is a {type(fn).__name__}, not a function", self._expected())
+            return Probe(0, 0, f"{self.spec.scope} is a {type(fn).__name__}, not a function", self._expected(),
+                         field="scope")
         body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else []
         post = sum(1 for stmt in body if self._is_ours(stmt))
         return Probe(
@@ -128,3 +147,6 @@ class DispatchKind:
         body.insert(at, self.statement(fn))
         new_fn = fn.with_changes(body=fn.body.with_changes(body=body))
         return replace_nodes(module, {id(fn): lambda _: new_fn}, self.spec.scope)
+
+
+KIND = Kind(Dispatch, DispatchKind)

@@ -3,13 +3,40 @@
 from __future__ import annotations
 
 import hashlib
+import re
+from typing import Literal
 
 import libcst as cst
+from pydantic import Field, field_validator
 
 from toolkit.errors import ToolkitError
-from toolkit.recipe import ReplaceBody
-from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+from toolkit.fields import DOTTED, banned, relative_path
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import canonical_block, qualnames, replace_nodes
+
+
+class ReplaceBody(ModuleEdit):
+    """Replace a function body with the body of a function in patches/src."""
+
+    kind: Literal["replace-body"]
+    source: str = Field(description="path/in/patches.py:qualified.function whose body is used")
+    old_digest: str | None = Field(
+        default=None, description="sha256 prefix of the body being replaced (toolkit diff prints it)"
+    )
+
+    def patch_paths(self) -> list[str]:
+        return [self.source.partition(":")[0]]
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        path, sep, qualname = value.partition(":")
+        if not sep:
+            raise ValueError(f"source must be path.py:function, got {value!r}")
+        relative_path(path)
+        if not re.fullmatch(DOTTED, qualname) or re.search(banned("."), qualname):
+            raise ValueError(f"not a dotted Python name: {qualname!r}")
+        return value
 
 
 def _params(fn: cst.FunctionDef) -> list[str]:
@@ -57,15 +84,16 @@ class ReplaceBodyKind:
         if fn is None:
             return missing_scope(module, self.spec, self._expected())
         if not isinstance(fn, cst.FunctionDef) or not isinstance(fn.body, cst.IndentedBlock):
-            return Probe(0, 0, f"{self.spec.scope} is not a function with a block body", self._expected())
+            return Probe(0, 0, f"{self.spec.scope} is not a function with a block body", self._expected(),
+                         field="scope")
         if _params(fn) != _params(self.source_fn):
-            return Probe(0, 0, f"signature {tuple(_params(fn))}", self._expected())
+            return Probe(0, 0, f"signature {tuple(_params(fn))}", self._expected(), field="source")
         if canonical_block(fn.body.body) == self.source_body:
             return Probe(0, 1, "the replacement body", self._expected())
         digest = body_digest(fn)
         if self.spec.old_digest and not digest.startswith(self.spec.old_digest):
             return Probe(0, 0, f"a body with digest {digest} (recipe pins old_digest {self.spec.old_digest})",
-                         self._expected())
+                         self._expected(), field="old_digest")
         return Probe(1, 0, f"a body with digest {digest}", self._expected())
 
     def rewrite(self, module: cst.Module) -> cst.Module:
@@ -74,3 +102,6 @@ class ReplaceBodyKind:
         assert isinstance(self.source_fn.body, cst.IndentedBlock)
         new_fn = fn.with_changes(body=fn.body.with_changes(body=self.source_fn.body.body))
         return replace_nodes(module, {id(fn): lambda _: new_fn}, self.spec.scope)
+
+
+KIND = Kind(ReplaceBody, ReplaceBodyKind)

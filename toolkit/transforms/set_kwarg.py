@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-import libcst as cst
+from typing import Literal
 
-from toolkit.recipe import SetKwarg
-from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+import libcst as cst
+from pydantic import Field
+
+from toolkit.fields import DottedName, Identifier, PyExpr
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import code_of, dotted_name, replace_nodes, same_expr, walk_scope
+
+
+class SetKwarg(ModuleEdit):
+    """Set a keyword argument of a call inside a scope (un-hardcode a literal)."""
+
+    kind: Literal["set-kwarg"]
+    call: DottedName = Field(description="The callee as written, e.g. ModelConfig or torch.ops.foo")
+    arg: Identifier = Field(description="The keyword argument name")
+    old: PyExpr | None = Field(default=None, description="The value it must have now (any value when omitted)")
+    new: PyExpr = Field(description="The value to set")
 
 
 class SetKwargKind:
@@ -41,10 +54,11 @@ class SetKwargKind:
         post = sum(1 for a in sites if same_expr(a.value, self.spec.new))
         values = ", ".join(f"{self.spec.arg}={code_of(a.value).strip()}" for a in sites) or "no such keyword"
         found = f"{calls} call(s) to {self.spec.call} in scope, with {values}"
+        at = "call" if not calls else "arg" if not sites else "old" if self.spec.old is not None else "new"
         if pre + post != len(sites):
             # a site with a third value is a changed vendor, never "already done"
-            return Probe(0, 0, found, self._expected())
-        return Probe(pre, post, found, self._expected())
+            return Probe(0, 0, found, self._expected(), field=at)
+        return Probe(pre, post, found, self._expected(), field=at)
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)
@@ -53,3 +67,6 @@ class SetKwargKind:
         _, sites = self._sites(scope)
         targets = {id(a): (lambda n: n.with_changes(value=new_value)) for a in sites if self._is_pre(a)}
         return replace_nodes(module, targets, self.spec.scope)
+
+
+KIND = Kind(SetKwarg, SetKwargKind)

@@ -11,14 +11,33 @@ import ast
 import functools
 import textwrap
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import libcst as cst
+from pydantic import Field, model_validator
 
-from toolkit.recipe import Statements
-from toolkit.transforms.base import Context, Probe, missing_scope, scope_or_none
+from toolkit.fields import PyBlock
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import replace_nodes
 
 Suite = cst.Module | cst.IndentedBlock
+
+
+class Statements(ModuleEdit):
+    """Replace a run of statements in a scope (`old`), insert after one (`after`), or insert at the scope's top."""
+
+    kind: Literal["statements"]
+    old: PyBlock | None = Field(default=None, description="The consecutive statements to replace")
+    after: PyBlock | None = Field(default=None, description="The statement(s) to insert `new` after")
+    new: PyBlock = Field(description="The statements written instead of `old`, after `after`, or at the top")
+
+    @model_validator(mode="after")
+    def _one_place(self) -> Statements:
+        if self.old is not None and self.after is not None:
+            raise ValueError("give `old` (replace) or `after` (insert after), not both")
+        if self.old is None and self.after is None and not self.scope:
+            raise ValueError("inserting at the top needs a function or class `scope`")
+        return self
 
 
 def _key(statement: cst.BaseStatement) -> str:
@@ -119,7 +138,8 @@ class StatementsKind:
         pre = sum(1 for *_, post in sites if not post)
         post = sum(1 for *_, post in sites if post)
         found = f"{pre} site(s) in the pre-state, {post} in the post-state"
-        return Probe(pre, post, found, self._expected())
+        at = "old" if self.spec.old is not None else "after" if self.spec.after is not None else "scope"
+        return Probe(pre, post, found, self._expected(), field=at)
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)
@@ -151,3 +171,5 @@ def _short(text: str) -> str:
     flat = " ".join(textwrap.dedent(text).split())
     return flat if len(flat) <= 70 else flat[:67] + "..."
 
+
+KIND = Kind(Statements, StatementsKind)

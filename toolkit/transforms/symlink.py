@@ -5,11 +5,36 @@ from __future__ import annotations
 import fnmatch
 import os
 from pathlib import Path
+from typing import Literal
 
-from toolkit.recipe import Symlink
+from pydantic import Field, model_validator
+
 from toolkit.results import State
-from toolkit.transforms.base import Context
+from toolkit.transforms.base import Context, Kind, TransformBase
 from toolkit.transforms.files import FileOp, FilePlan, under
+
+
+class Symlink(TransformBase):
+    """Create a symlink; the target may be a glob, resolved beside the link (exactly `expect` matches)."""
+
+    kind: Literal["symlink"]
+    link: str = Field(description="Absolute: in the image filesystem; relative: in every vendor root")
+    target: str = Field(description="What the link points to; a glob (*, ?) is resolved in the link's folder")
+    expect: int = Field(default=1, ge=1, le=1, description="How many files the glob must match")
+
+    @model_validator(mode="after")
+    def _no_package(self) -> Symlink:
+        if self.package is not None:
+            raise ValueError("a symlink is made in the vendor roots or the image filesystem; drop `package`")
+        return self
+
+    @property
+    def target_label(self) -> str:
+        return self.link
+
+    @property
+    def is_glob(self) -> bool:
+        return any(ch in self.target for ch in "*?[")
 
 
 def resolve_in(base: Path, path: Path, limit: int = 40) -> Path:
@@ -82,4 +107,7 @@ class SymlinkKind:
             return FilePlan(State.SUPERSEDED, f"{self.spec.link} already exists as a file: link may be removable")
         if target is None:
             return FilePlan(State.DRIFTED, note)
-        return FilePlan(State.APPLIED, f"{self.spec.link} -> {target}{note}", (FileOp(link, link=target),))
+        return FilePlan(State.WOULD_APPLY, f"{self.spec.link} -> {target}{note}", (FileOp(link, link=target),))
+
+
+KIND = Kind(Symlink, SymlinkKind)

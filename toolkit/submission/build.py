@@ -15,17 +15,17 @@ import git
 import yaml
 
 from toolkit.errors import ToolkitError
+from toolkit.inputs import COMPLETE
 from toolkit.lint import lint
 from toolkit.pinned import SOURCE_INFO, source_info
-from toolkit.recipe import Deploy, LoadedRecipe, Recipe, ReplaceBody, Source
-from toolkit.render import PAYLOAD, render
+from toolkit.recipe import LoadedRecipe, Recipe, Source
 from toolkit.results import Issue, Severity
-from toolkit.sources import COMPLETE
+from toolkit.submission.render import PAYLOAD, render
+from toolkit.submission.wheels import fetch_wheel, fetch_wheels
 from toolkit.variants import BASE, Variant, expand
-from toolkit.wheels import fetch_wheel, fetch_wheels
 
 MANIFEST = "MANIFEST.json"
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent  # the toolkit package
 # fixed so the same recipe and sources give the same commit, not only the same tree
 EPOCH = os.environ.get("SOURCE_DATE_EPOCH", "946684800")
 AUTHOR = git.Actor("toolkit", "toolkit@localhost")
@@ -57,7 +57,7 @@ def resolved_recipe(recipe: Recipe) -> str:
     return header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=1000)
 
 
-def in_image_modules(entry: str = "toolkit.inimage") -> list[Path]:
+def in_image_modules(entry: str = "toolkit.submission.inimage") -> list[Path]:
     """The toolkit modules the in-image step imports (its import closure, read with ast), and their packages'
     __init__ files: the payload ships these, not the CLI, Docker, git or benchmark code the image never runs."""
     def path_of(module: str) -> Path | None:
@@ -89,7 +89,7 @@ def in_image_modules(entry: str = "toolkit.inimage") -> list[Path]:
 
 
 def used_sources(recipe: Recipe) -> list[Source]:
-    used = {t.tree for t in recipe.transforms if isinstance(t, Deploy) and t.tree}
+    used = {t.pinned for t in recipe.transforms if t.pinned}
     return [s for s in recipe.sources if s.name in used]
 
 
@@ -98,15 +98,10 @@ def patch_sources(loaded: LoadedRecipe, recipe: Recipe) -> dict[str, Path]:
     out: dict[str, Path] = {}
     base = loaded.patches_dir
     for t in recipe.transforms:
-        if isinstance(t, Deploy) and t.tree is not None:
-            continue  # files of declared sources travel under sources/ (bundled) or are fetched in the image
-        if isinstance(t, Deploy):
-            src = base / t.source
-            files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
-        elif isinstance(t, ReplaceBody):
-            files = [base / t.source.partition(":")[0]]
-        else:
-            continue
+        files: list[Path] = []
+        for rel in t.patch_paths():
+            src = base / rel
+            files += [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
         for path in files:
             if "__pycache__" in path.parts or path.suffix == ".pyc":
                 continue
@@ -127,9 +122,9 @@ def _lf(text: str) -> bytes:
 
 
 def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target: Path,
-               trees: dict[str, Path]) -> None:
+               pinned: dict[str, Path]) -> None:
     recipe_file = loaded.path.name
-    fetched = [s for s in used_sources(recipe) if s.name not in trees]
+    fetched = [s for s in used_sources(recipe) if s.name not in pinned]
     rendered = render(recipe, recipe_file, variant, fetched)
     _write(target / ".gitattributes", GITATTRIBUTES.encode())
     _write(target / "Dockerfile", _lf(rendered.dockerfile))
@@ -146,8 +141,8 @@ def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target
                executable=bool(path.stat().st_mode & 0o111))
     for source in used_sources(recipe):
         digests: object = None
-        if source.name in trees:  # bundled: the used files of the pinned commit, read from the local clone
-            tree = trees[source.name]
+        if source.name in pinned:  # bundled: the used files of the pinned commit, read from the local clone
+            tree = pinned[source.name]
             for path in sorted(p for p in tree.rglob("*") if p.is_file() and p.name not in (COMPLETE, SOURCE_INFO)):
                 data = path.read_bytes()
                 # text goes LF, as the platform's clone (after .gitattributes) and the deploy will have it anyway
@@ -282,14 +277,14 @@ def _swap(tmp: Path, outdir: Path) -> None:
 
 def build(loaded: LoadedRecipe, recipe: Recipe, outdir: Path, *, variant: str | None = None,
           force: bool = False, branch: str = "main", extra_files: dict[str, str] | None = None,
-          trees: dict[str, Path] | None = None) -> Built:
+          pinned: dict[str, Path] | None = None) -> Built:
     """Write the whole submission next to OUTDIR, commit it, then move it into place."""
     refuse_on_lint(loaded, recipe, variant)
     check_outdir(outdir, loaded, force)
     outdir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.new.", dir=outdir.parent))
     try:
-        write_tree(loaded, recipe, variant, tmp, trees or {})
+        write_tree(loaded, recipe, variant, tmp, pinned or {})
         for rel, text in sorted((extra_files or {}).items()):
             _write(tmp / rel, _lf(text))
         message = f"Submission for recipe {recipe.name}" + (f", variant {variant}" if variant else "") + (
@@ -355,7 +350,7 @@ class Grid:
 
 
 def build_all_variants(loaded: LoadedRecipe, outdir: Path, *, force: bool, branches: bool,
-                       trees: dict[str, Path] | None = None) -> Grid:
+                       pinned: dict[str, Path] | None = None) -> Grid:
     """The base submission with one run config per variant that lints clean (and a branch each)."""
     kept: list[Variant] = []
     dropped: list[tuple[Variant, list[Issue]]] = []
@@ -371,7 +366,7 @@ def build_all_variants(loaded: LoadedRecipe, outdir: Path, *, force: bool, branc
     configs = {f"variants/{v.name}/computility-run.yaml": render(v.apply(loaded.recipe), loaded.path.name,
                                                                  v.name).run_config
                for v in kept if v.name != BASE}
-    built = build(loaded, loaded.recipe, outdir, force=force, extra_files=configs, trees=trees)
+    built = build(loaded, loaded.recipe, outdir, force=force, extra_files=configs, pinned=pinned)
     names = [built.branch]
     if branches:
         for variant in kept:
@@ -379,7 +374,7 @@ def build_all_variants(loaded: LoadedRecipe, outdir: Path, *, force: bool, branc
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 one = build(loaded, variant.apply(loaded.recipe), Path(tmp) / "repo", variant=variant.name,
-                            trees=trees)
+                            pinned=pinned)
                 add_branch(outdir, one.outdir, f"variant/{variant.name}")
             names.append(f"variant/{variant.name}")
     return Grid(built, names, kept, dropped)

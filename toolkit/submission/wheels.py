@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from toolkit.errors import SourceError
-from toolkit.sources import cache_dir, last_line
+from toolkit.errors import InputError
+from toolkit.inputs import cache_dir, pip_download
 
-# what `python3 -m toolkit.inimage` imports, with their own dependencies, pinned to this machine's versions
+# what `python3 -m toolkit.submission.inimage` imports, with their own dependencies, pinned to this machine's versions
 IN_IMAGE_PACKAGES = ("libcst", "pyyaml", "pydantic", "pydantic-core", "typing-extensions", "annotated-types",
                      "typing-inspection", "packaging")
 
@@ -23,7 +22,7 @@ def pins() -> list[str]:
         try:
             out.append(f"{name}=={metadata.version(name)}")
         except metadata.PackageNotFoundError:
-            raise SourceError(f"{name} is not installed here, so its version cannot be pinned for the image",
+            raise InputError(f"{name} is not installed here, so its version cannot be pinned for the image",
                               hint="pip install -e . (it brings every in-image dependency)") from None
     return out
 
@@ -57,15 +56,7 @@ def fetch_wheels(python: str, platform: str, requirements: list[str] | None = No
         print(f"fetching {len(missing)} wheel(s) for CPython {python} ({platform}) with pip: {', '.join(missing)}",
               file=sys.stderr)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                   "--python-version", python, "--implementation", "cp", "--disable-pip-version-check",
-                   "--progress-bar", "off", "-d", tmp, *missing]
-            for plat in platforms(platform):
-                cmd += ["--platform", plat]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SourceError(f"pip could not download wheels for CPython {python}: {last_line(proc.stderr)}",
-                                  hint="check the package index is reachable; the wheels are cached afterwards")
+            pip_download(missing, Path(tmp), python=python, platforms=platforms(platform), implementation="cp")
             for wheel in Path(tmp).glob("*.whl"):
                 shutil.move(str(wheel), folder / wheel.name)
                 found.append(folder / wheel.name)

@@ -1,4 +1,4 @@
-"""Vendor trees: the recipe's roots under a rootfs folder, or a reference release fetched by pip."""
+"""Vendor pinned: the recipe's roots under a rootfs folder, or a reference release fetched by pip."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
-from toolkit.errors import SourceError
+from packaging.utils import canonicalize_name
+
+from toolkit.errors import InputError
 from toolkit.recipe import Recipe
 
 
@@ -53,12 +56,12 @@ def cached_tree(target: Path, build: Callable[[Path, Path], None]) -> Path:
 def rootfs_roots(recipe: Recipe, rootfs: Path) -> list[Root]:
     """Every declared vendor root under rootfs; all of them must exist."""
     if not rootfs.is_dir():
-        raise SourceError(f"--rootfs {rootfs} is not a folder",
+        raise InputError(f"--rootfs {rootfs} is not a folder",
                           hint="pass the folder laid out like the image (/ inside it)")
     roots = [Root(r, rootfs / r.lstrip("/")) for r in recipe.vendor.roots]
     missing = [r.label for r in roots if not (r.path / recipe.vendor.package).is_dir()]
     if missing:
-        raise SourceError(
+        raise InputError(
             f"vendor root(s) without a {recipe.vendor.package}/ package under {rootfs}: {', '.join(missing)}",
             hint="extract the image with `toolkit vendor pull` or fix vendor.roots in the recipe",
         )
@@ -71,7 +74,7 @@ def parse_package_roots(items: list[str]) -> dict[str, str]:
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SourceError(f"--package-root {item!r}: expected NAME=DIR", hint="e.g. --package-root "
+            raise InputError(f"--package-root {item!r}: expected NAME=DIR", hint="e.g. --package-root "
                               "transformers=./rootfs/usr/local/lib/python3.10/site-packages")
         given[name] = path
     return given
@@ -88,11 +91,11 @@ def package_roots(recipe: Recipe, name: str, rootfs: Path | None, given: dict[st
     elif rootfs is not None and package.roots:
         roots = [Root(r, rootfs / r.lstrip("/")) for r in package.roots]
     else:
-        raise SourceError(f"package {name}: no roots here (packages[].roots is empty and no --package-root)",
+        raise InputError(f"package {name}: no roots here (packages[].roots is empty and no --package-root)",
                           hint=f"pass --package-root {name}=DIR, the site-packages folder that holds {name}/")
     missing = [r.label for r in roots if not (r.path / name).is_dir()]
     if missing:
-        raise SourceError(f"package {name}: no {name}/ folder in {', '.join(missing)}",
+        raise InputError(f"package {name}: no {name}/ folder in {', '.join(missing)}",
                           hint=f"--package-root {name}=DIR names the folder that holds {name}/, not {name}/ itself")
     return roots
 
@@ -118,18 +121,39 @@ def version_with_source(root: Path, package: str) -> tuple[str | None, str]:
     it imports from) still says what it is. Nothing is imported.
     """
     norm = package.replace("-", "_")
-    candidates = sorted(root.glob(f"{norm}-*.dist-info/METADATA")) + sorted(root.glob(f"{norm}-*.egg-info/PKG-INFO"))
-    for meta in candidates:
-        for line in meta.read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith("Version:"):
-                return line.split(":", 1)[1].strip(), str(meta.relative_to(root))
-            if not line.strip():
-                break
+    for info in sorted(root.glob(f"{norm}-*.dist-info")) + sorted(root.glob(f"{norm}-*.egg-info")):
+        dist = metadata.PathDistribution(info)
+        name = dist.metadata["Name"] if dist.metadata is not None else None
+        # the folder's name already says the package; a Name that says another one is not it
+        if (not name or canonicalize_name(name) == canonicalize_name(package)) and dist.version:
+            return dist.version, f"{info.relative_to(root)}/{'METADATA' if info.suffix == '.dist-info' else 'PKG-INFO'}"
     for rel in (f"{norm}/version.py", f"{norm}/_version.py", f"{norm}/__init__.py"):
         version = _literal_version(root / rel)
         if version is not None:
             return version, rel
     return None, f"neither {norm}-*.dist-info/METADATA nor __version__ in {norm}/version.py"
+
+
+def pip_download(specs: list[str], dest: Path, *, python: str | None = None, platforms: list[str] | None = None,
+                 implementation: str | None = None) -> list[Path]:
+    """Wheels of `specs`, without their dependencies, into dest (binary only; for another Python and platform when
+    given): the one place the toolkit calls `pip download`. Returns the wheels pip wrote."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--progress-bar", "off",
+           "--disable-pip-version-check", "-d", str(dest)]
+    if python is not None:
+        cmd += ["--python-version", python]
+    if implementation is not None:
+        cmd += ["--implementation", implementation]
+    for platform in platforms or []:
+        cmd += ["--platform", platform]
+    before = set(dest.glob("*.whl"))
+    proc = subprocess.run([*cmd, *specs], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise InputError(
+            f"pip could not download {', '.join(specs)}: {last_line(proc.stderr) or f'exit {proc.returncode}'}",
+            hint="check the package index is reachable and the version exists (`pip index versions NAME`)",
+        )
+    return sorted(set(dest.glob("*.whl")) - before)
 
 
 def fetch_reference(spec: str, python: str = "3.10", platform: str = "manylinux1_x86_64") -> Path:
@@ -139,20 +163,10 @@ def fetch_reference(spec: str, python: str = "3.10", platform: str = "manylinux1
 
     def build(tree: Path, scratch: Path) -> None:
         print(f"fetching {spec} (python {python}, {platform}) with pip; cached in {target}", file=sys.stderr)
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-            "--python-version", python, "--platform", platform, "--progress-bar", "off",
-            "--disable-pip-version-check", spec, "-d", str(scratch),
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SourceError(
-                f"pip could not download {spec}: {last_line(proc.stderr) or f'exit {proc.returncode}'}",
-                hint="check the package index is reachable and the version exists (`pip index versions NAME`)",
-            )
+        pip_download([spec], scratch, python=python, platforms=[platform])
         wheels = list(scratch.glob("*.whl"))
         if len(wheels) != 1:
-            raise SourceError(f"expected one wheel for {spec}, pip gave {[w.name for w in wheels]}")
+            raise InputError(f"expected one wheel for {spec}, pip gave {[w.name for w in wheels]}")
         with zipfile.ZipFile(wheels[0]) as wheel:
             # native libraries are large and never patched; the Python files and metadata are what we need
             members = [m for m in wheel.namelist() if not m.endswith((".so", ".a"))]

@@ -16,12 +16,14 @@ import docker
 import docker.errors
 import git
 
-from toolkit.engine import Engine, commit
+from toolkit.engine.plan import Engine
+from toolkit.engine.writer import commit
 from toolkit.errors import EXIT_FAILED, ToolkitError
-from toolkit.inimage import bundled_trees
-from toolkit.recipe import LoadedRecipe, SourceTransform, load_recipe
-from toolkit.render import IMAGE_PAYLOAD, PAYLOAD
-from toolkit.sources import Root
+from toolkit.inputs import Root
+from toolkit.recipe import LoadedRecipe, load_recipe
+from toolkit.submission.inimage import bundled_pinned
+from toolkit.submission.render import IMAGE_PAYLOAD, PAYLOAD
+from toolkit.transforms.base import ModuleEdit
 from toolkit.trial import untried_here
 
 Log = Callable[[str], None]
@@ -99,8 +101,9 @@ def run_in_image(tag: str, command: list[str]) -> tuple[int, str]:
 
 def verify_in_image(tag: str, recipe_file: str) -> tuple[int, str]:
     payload = IMAGE_PAYLOAD
-    return run_in_image(tag, ["bash", "-c", f'PYTHONPATH="{payload}/site:{payload}/src" python3 -m toolkit.inimage '
-                                            f'--verify-only "{payload}/recipe/{recipe_file}"'])
+    command = (f'PYTHONPATH="{payload}/site:{payload}/src" python3 -m toolkit.submission.inimage --verify-only '
+               f'"{payload}/recipe/{recipe_file}"')
+    return run_in_image(tag, ["bash", "-c", command])
 
 
 def copy_out(tag: str, paths: list[str], dest: Path) -> None:
@@ -154,10 +157,10 @@ def compare_with_host(loaded: LoadedRecipe, base_image: str, built_image: str, w
     pristine = work / "pristine"
     vendor_pull(loaded, pristine, base_image)
     roots = [Root(r, pristine / r.lstrip("/")) for r in recipe.vendor.roots]
-    trees = bundled_trees(loaded)
-    skip = frozenset(untried_here(recipe, trees))
+    pinned = bundled_pinned(loaded)
+    skip = frozenset(untried_here(recipe, pinned))
     # roots only: image-level links need the whole image
-    plan = Engine(loaded, roots, None, trees=trees, skip=skip).run()
+    plan = Engine(loaded, roots, None, pinned=pinned, skip=skip).run()
     if not plan.ok:
         raise ImageError("host apply on the pulled base image drifted", hint="run `toolkit apply` on it to see why")
     commit(plan.ops)
@@ -165,7 +168,7 @@ def compare_with_host(loaded: LoadedRecipe, base_image: str, built_image: str, w
     patched.mkdir()
     copy_out(built_image, list(recipe.vendor.roots), patched)
     files = sorted({t.file for t in recipe.for_package(recipe.vendor.package)
-                    if isinstance(t, SourceTransform) and t.id not in skip})
+                    if isinstance(t, ModuleEdit) and t.id not in skip})
     differences = []
     compared = 0
     for root in recipe.vendor.roots:

@@ -1,4 +1,4 @@
-"""The in-image step: `python3 -m toolkit.inimage RECIPE` inside the Docker build.
+"""The in-image step: `python3 -m toolkit.submission.inimage RECIPE` inside the Docker build.
 
 The platform gives no build log, only a status, so this prints one `[ok]` or `[FAIL]` line per
 transform and root and a summary, and exits non-zero on anything short of a fully patched image.
@@ -18,14 +18,16 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from toolkit.engine import Engine, commit, run_packages
+from toolkit.engine.plan import Engine, run_packages
+from toolkit.engine.verify import verify_tree
+from toolkit.engine.writer import commit
 from toolkit.errors import ToolkitError
-from toolkit.recipe import LoadedRecipe, Package, SourceTransform, load_recipe
-from toolkit.results import State
-from toolkit.sources import Root, package_roots, parse_package_roots, version_with_source
+from toolkit.inputs import Root, package_roots, parse_package_roots, version_with_source
+from toolkit.recipe import LoadedRecipe, Package, load_recipe
+from toolkit.results import Result, State
 from toolkit.startup import startup_checks
+from toolkit.transforms.base import ModuleEdit
 from toolkit.transforms.deploy import lf_digest
-from toolkit.verify import verify_tree
 
 FIND_SPEC = ("import importlib.util, sys; spec = importlib.util.find_spec(sys.argv[1]); "
              "print(spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else '')")
@@ -35,18 +37,18 @@ def say(ok: bool, text: str) -> None:
     print(f"[{'ok' if ok else 'FAIL'}] {text}", flush=True)
 
 
-def bundled_trees(loaded: LoadedRecipe) -> dict[str, Path]:
+def bundled_pinned(loaded: LoadedRecipe) -> dict[str, Path]:
     """The declared sources the payload holds (bundled by the build, or fetched by apply.sh), by name."""
     folder = loaded.path.parent.parent / "sources"
     return {s.name: folder / s.name for s in loaded.recipe.sources if (folder / s.name).is_dir()}
 
 
-def payload_trees(loaded: LoadedRecipe) -> dict[str, Path] | None:
+def payload_pinned(loaded: LoadedRecipe) -> dict[str, Path] | None:
     """Declared sources as the payload holds them (bundled by `toolkit build` or fetched by apply.sh), each file
     checked against the digests the build recorded (bundled) or the recipe's lock gave (fetched)."""
     folder = loaded.path.parent.parent / "sources"
-    trees = bundled_trees(loaded)
-    for name, path in trees.items():
+    pinned = bundled_pinned(loaded)
+    for name, path in pinned.items():
         lock = folder / f"{name}.digests.json"
         if not lock.is_file():
             print(f"[info] source {name}: {path} (no digests recorded: the pinned commit is what was checked)",
@@ -59,7 +61,7 @@ def payload_trees(loaded: LoadedRecipe) -> dict[str, Path] | None:
             say(False, f"source {name}: {len(bad)} file(s) differ from the recorded sha256: {', '.join(bad[:5])}")
             return None
         say(True, f"source {name}: {len(digests)} used file(s) match their recorded sha256 (LF-normalised)")
-    return trees
+    return pinned
 
 
 def existing_roots(loaded: LoadedRecipe, rootfs: Path) -> list[Root]:
@@ -76,7 +78,7 @@ def existing_roots(loaded: LoadedRecipe, rootfs: Path) -> list[Root]:
 def expected_results(loaded: LoadedRecipe, roots: dict[str, int]) -> int:
     """One result per transform and root of its package; image-level deploys and links report once."""
     recipe = loaded.recipe
-    return sum(1 if not isinstance(t, SourceTransform) and t.target_label.startswith("/")
+    return sum(1 if not isinstance(t, ModuleEdit) and t.target_label.startswith("/")
                else roots[recipe.package_of(t)] for t in recipe.transforms)
 
 
@@ -159,9 +161,9 @@ def import_location(package: str, workdir: str) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
-def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path, trees: dict[str, Path],
+def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path, pinned: dict[str, Path],
            package: str | None = None) -> bool:
-    report = verify_tree(loaded, roots, rootfs, trees, package=package)
+    report = verify_tree(loaded, roots, rootfs, pinned, package=package)
     for r in report.results:
         if r.state.ok:
             say(True, f"verify {r.transform} {r.root} {r.state.value}")
@@ -192,43 +194,50 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False, given: dict[s
     if not roots:
         say(False, f"no vendor root holds {recipe.vendor.package}/: {', '.join(recipe.vendor.roots)}")
         return 1
-    trees = payload_trees(loaded)
-    if trees is None:
+    pinned = payload_pinned(loaded)
+    if pinned is None:
         return 1
     packages = package_roots_in_image(loaded, rootfs, given or {})
     if packages is None:
         return 1
 
     def verify_all() -> bool:
-        results = [verify(loaded, roots, rootfs, trees)]
-        results += [verify(loaded, proots, rootfs, trees, package=name) for name, proots in packages.items()]
+        results = [verify(loaded, roots, rootfs, pinned)]
+        results += [verify(loaded, proots, rootfs, pinned, package=name) for name, proots in packages.items()]
         return all(results) and startup(loaded, roots)
 
     if verify_only:
         return 0 if verify_all() else 1
     try:
-        engines = [Engine(loaded, roots, rootfs, trees=trees)]
-        engines += [Engine(loaded, proots, rootfs, trees=trees, package=name) for name, proots in packages.items()]
+        engines = [Engine(loaded, roots, rootfs, pinned=pinned)]
+        engines += [Engine(loaded, proots, rootfs, pinned=pinned, package=name) for name, proots in packages.items()]
         plan = run_packages(engines)
     except ToolkitError as exc:
         say(False, f"input: {exc}")
         return 1
-    for r in plan.results:
-        line = f"{r.transform} {r.root}"
-        if r.state is State.DRIFTED:
-            say(False, f"{line}: {' '.join(r.message.split())} ({loaded.path.name}:{r.recipe_line})")
-        else:
-            say(True, f"{line} {r.state.value}")
+
+    def show(results: list[Result]) -> None:
+        for r in results:
+            line = f"{r.transform} {r.root}"
+            if r.state is State.DRIFTED:
+                say(False, f"{line}: {' '.join(r.message.split())} ({loaded.path.name}:{r.recipe_line})")
+            else:
+                say(True, f"{line} {r.state.value}")
+
     counts = {recipe.vendor.package: len(roots), **{name: len(p) for name, p in packages.items()}}
     expected = expected_results(loaded, counts)
     if len(plan.results) != expected:
+        show(plan.results)
         say(False, f"{len(plan.results)} result(s) for {expected} expected transform x root pair(s)")
         return 1
     if not plan.ok:
+        show(plan.results)
         print(f"== summary: FAILED, {sum(1 for r in plan.results if r.state is State.DRIFTED)} DRIFTED; "
               "nothing was written", flush=True)
         return 1
     commit(plan.ops)
+    results = plan.written()
+    show(results)
     print(f"== applied: {len(plan.ops)} path(s) written, stale bytecode of changed modules removed", flush=True)
     if not verify_all():
         print("== summary: FAILED verification after apply", flush=True)
@@ -245,13 +254,13 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False, given: dict[s
     else:
         print(f"[info] import check not run: --rootfs {rootfs} is not / (it only means something in the image)",
               flush=True)
-    summary = {s: sum(1 for r in plan.results if r.state is s) for s in State}
+    summary = {s: sum(1 for r in results if r.state is s) for s in State}
     print("== summary: ok, " + ", ".join(f"{n} {s.value}" for s, n in summary.items() if n), flush=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m toolkit.inimage", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m toolkit.submission.inimage", description=__doc__)
     parser.add_argument("recipe", help="the resolved recipe in the payload")
     parser.add_argument("--rootfs", default="/", type=Path, help="the image filesystem (default /)")
     parser.add_argument("--verify-only", action="store_true", help="check an image that was already patched")

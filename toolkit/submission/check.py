@@ -1,4 +1,4 @@
-"""`toolkit verify OUTDIR`: a submission repository is exactly what the platform needs, byte for byte."""
+"""`toolkit check OUTDIR`: a submission repository is exactly what the platform needs, byte for byte."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import yaml
 
 from toolkit.lint import lint
 from toolkit.recipe import load_recipe
-from toolkit.render import PAYLOAD, argv
 from toolkit.results import Finding, Report, Severity
-from toolkit.submission import MANIFEST, patch_sources, used_sources
-from toolkit.wheels import IN_IMAGE_PACKAGES
+from toolkit.submission.build import MANIFEST, patch_sources, used_sources
+from toolkit.submission.render import PAYLOAD, argv
+from toolkit.submission.wheels import IN_IMAGE_PACKAGES
 
 SCRIPT_SUFFIXES = (".sh", ".py")
 RUN_CONFIG = "computility-run.yaml"
@@ -96,8 +96,8 @@ class Checker:
 
     def archive(self, repo: git.Repo) -> None:
         """The exact failure of the prior art: an export on a core.autocrlf=true machine."""
-        data = subprocess.run(["git", "-c", "core.autocrlf=true", "archive", "--format=tar", "HEAD"],
-                              cwd=self.outdir, capture_output=True, check=True).stdout
+        data = repo.git.execute(["git", "-c", "core.autocrlf=true", "archive", "--format=tar", "HEAD"],
+                                stdout_as_string=False)
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             for member in tar.getmembers():
                 name = member.name

@@ -1,35 +1,32 @@
-"""The engine: plan every transform over every root, then write all of it or nothing."""
+"""Planning: every transform over every root of a package, in memory; the writer then makes all of it or nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-import hashlib
 import json
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import libcst as cst
 from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
-from toolkit.errors import InputDriftError, ToolkitError, WriteError
-from toolkit.markers import append_markers, read_markers
-from toolkit.recipe import Deploy, LoadedRecipe, SourceTransform, TransformBase
+from toolkit.engine.codec import sha256
+from toolkit.engine.evaluate import Verdict, evaluate, gated_off
+from toolkit.engine.state import STATE_FILE, check_lock, read_state
+from toolkit.errors import InputDriftError, ToolkitError
+from toolkit.inputs import Root, version_with_source
+from toolkit.markers import read_markers
+from toolkit.recipe import LoadedRecipe
 from toolkit.results import Result, State
-from toolkit.sources import Root, version_with_source
-from toolkit.transforms import FileKind, file_kind, source_kind
-from toolkit.transforms.base import Context, decide
-from toolkit.transforms.deploy import DeployKind
+from toolkit.transforms import edit_kind, file_kind
+from toolkit.transforms.base import Context, FileKind, ModuleEdit, TransformBase
+from toolkit.transforms.deploy import Deploy, DeployKind
 from toolkit.transforms.files import FileOp, FilePlan
 
-STATE_FILE = ".toolkit/state.json"
 ROOTFS_LABEL = "/"
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -71,58 +68,16 @@ class Plan:
     def ok(self) -> bool:
         return all(r.state.ok for r in self.results)
 
-
-@dataclass(frozen=True)
-class TextFile:
-    """A decoded Python file with what is needed to write it back byte-compatibly."""
-
-    text: str  # LF-normalised when the file was uniformly CRLF
-    newline: str
-    bom: bool
-
-    @classmethod
-    def decode(cls, data: bytes) -> TextFile:
-        bom = data.startswith(b"\xef\xbb\xbf")
-        text = data[3:].decode("utf-8") if bom else data.decode("utf-8")
-        if "\r\n" in text and "\n" not in text.replace("\r\n", ""):
-            return cls(text.replace("\r\n", "\n"), "\r\n", bom)
-        return cls(text, "\n", bom)
-
-    def encode(self, text: str) -> bytes:
-        if self.newline != "\n":
-            text = text.replace("\n", self.newline)
-        return (b"\xef\xbb\xbf" if self.bom else b"") + text.encode("utf-8")
-
-
-def read_state(root: Path) -> dict[str, object]:
-    path = root / STATE_FILE
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputDriftError(f"{path}: unreadable toolkit state ({exc})",
-                              hint="remove it only together with a pristine reinstall of the vendor package") from None
-    return data if isinstance(data, dict) else {}
-
-
-def gated_off(spec: TransformBase, version: str | None) -> str | None:
-    """Why a transform is excluded in a root, or None when it applies."""
-    if spec.gate is None or spec.gate.vendor_version is None:
-        return None
-    if version is None:
-        return None  # checked by the caller: unknown version with a version gate is an input problem
-    try:
-        matches = Version(version) in SpecifierSet(spec.gate.vendor_version)
-    except InvalidVersion:
-        return None
-    return None if matches else f"vendor version {version} is outside {spec.gate.vendor_version}"
+    def written(self) -> list[Result]:
+        """The results once the writer made the plan's writes: what would apply did."""
+        return [dataclasses.replace(r, state=State.APPLIED) if r.state is State.WOULD_APPLY else r
+                for r in self.results]
 
 
 class Engine:
     def __init__(self, loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None, *,
                  check_version: bool = True, lock: dict[str, object] | None = None,
-                 trees: dict[str, Path] | None = None, skip: frozenset[str] = frozenset(),
+                 pinned: dict[str, Path] | None = None, skip: frozenset[str] = frozenset(),
                  package: str | None = None, check_replaced: bool = True):
         """skip: ids of transforms left out of this plan (the caller reports why); used only for trials.
 
@@ -143,17 +98,17 @@ class Engine:
         self.roots = roots
         self.rootfs = rootfs
         self.check_version = check_version
-        self.ctx = Context(loaded.patches_dir, dict(trees or {}))
+        self.ctx = Context(loaded.patches_dir, dict(pinned or {}))
         self.index = {t.id: i for i, t in enumerate(self.recipe.transforms)}
         self.transforms = self.recipe.for_package(self.package)
         active = [t for t in self.transforms if t.id not in skip]
-        self.source_specs = [t for t in active if isinstance(t, SourceTransform)]
-        self.source = {t.id: source_kind(t, self.ctx) for t in self.source_specs}
-        self.files = {t.id: file_kind(t, self.ctx) for t in active if not isinstance(t, SourceTransform)}
+        self.edit_specs = [t for t in active if isinstance(t, ModuleEdit)]
+        self.edits = {t.id: edit_kind(t, self.ctx) for t in self.edit_specs}
+        self.files = {t.id: file_kind(t, self.ctx) for t in active if not isinstance(t, ModuleEdit)}
         # files a deploy installs in the roots and source transforms then edit: deployed once, patched
         self.deployed: dict[str, tuple[bytes, Deploy]] = {}
         self.broken: dict[str, str] = {}  # deployed-and-patched file -> why its replacement contract fails
-        targets = {t.file for t in self.source_specs}
+        targets = {t.file for t in self.edit_specs}
         for kind in self.files.values():
             if isinstance(kind, DeployKind):
                 kind.check_replaced = check_replaced
@@ -197,11 +152,11 @@ class Engine:
                 )
         return versions
 
-    def _read_sources(self) -> dict[str, bytes | None]:
+    def _read_targets(self) -> dict[str, bytes | None]:
         """Each target file's bytes, identical in every root (or refused)."""
         states = {r.label: read_state(r.path) for r in self.roots}
         out: dict[str, bytes | None] = {}
-        for rel in dict.fromkeys(t.file for t in self.source_specs):
+        for rel in dict.fromkeys(t.file for t in self.edit_specs):
             seen: dict[str, bytes | None] = {}
             for root in self.roots:
                 path = root.path / rel
@@ -272,51 +227,23 @@ class Engine:
 
     # -- planning ---------------------------------------------------------------------------
 
-    def _result(self, spec: TransformBase, root: str, file: str, state: State, message: str) -> Result:
-        return Result(spec.id, spec.kind, root, file, state, message, self.loaded.transform_line(self.index[spec.id]))
+    def _result(self, spec: TransformBase, root: str, file: str, state: State, message: str,
+                field: str | None = None) -> Result:
+        """A result that names the recipe line of the field at fault when one is known, else the transform's."""
+        index = self.index[spec.id]
+        line = self.loaded.line_of("transforms", index, field) if field else None
+        return Result(spec.id, spec.kind, root, file, state, message, line or self.loaded.transform_line(index))
 
-    def _plan_file(self, rel: str, data: bytes | None, version: str | None) -> list[tuple[TransformBase, State, str]]:
-        specs = [t for t in self.source_specs if t.file == rel]
-        if data is None:
-            return [(t, State.DRIFTED, f"{rel}: file not found in the vendor root") for t in specs]
-        try:
-            tf = TextFile.decode(data)
-            module = cst.parse_module(tf.text)
-        except UnicodeDecodeError as exc:
-            return [(t, State.DRIFTED, f"{rel}: not UTF-8 ({exc.reason})") for t in specs]
-        except cst.ParserSyntaxError as exc:
-            return [(t, State.DRIFTED, f"{rel}: does not parse ({exc.message} at {exc.raw_line}:{exc.raw_column})")
-                    for t in specs]
-        markers = read_markers(tf.text)
-        outcome: list[tuple[TransformBase, State, str]] = []
-        new_markers: list[tuple[str, str]] = []
-        for spec in specs:
-            why_off = gated_off(spec, version)
-            if why_off:
-                outcome.append((spec, State.GATED_OFF, why_off))
-                continue
-            kind = self.source[spec.id]
-            decision = decide(spec, kind.probe(module), markers.get(spec.id))
-            if decision.state is State.APPLIED:
-                before = module
-                module = kind.rewrite(module)
-                check = kind.probe(module)
-                if check.post != spec.expect or check.pre != 0:
-                    outcome.append((spec, State.DRIFTED, f"{rel}: rewrite did not reach the post-state "
-                                    f"(found {check.found}); this is a toolkit bug, please report it"))
-                    continue
-                new_markers.append((spec.id, spec.digest()))
-                self.plan.steps.append(Step(spec.id, self.roots[0].label, rel, before, module))
-            outcome.append((spec, decision.state, decision.message))
-        if all(s is not State.DRIFTED for _, s, _ in outcome):
-            text = append_markers(module.code, new_markers) if new_markers else tf.text
-            try:
-                compile(text, rel, "exec", dont_inherit=True)
-            except SyntaxError as exc:
-                last = outcome[-1][0]
-                outcome.append((last, State.DRIFTED, f"{rel}: patched file does not compile: {exc}"))
-                return outcome
-            new = tf.encode(text)
+    def _verdict(self, verdict: Verdict, root: str, file: str) -> Result:
+        return self._result(verdict.spec, root, file, verdict.state, verdict.message, verdict.field)
+
+    def _plan_file(self, rel: str, data: bytes | None, version: str | None) -> list[Verdict]:
+        kinds = [self.edits[t.id] for t in self.edit_specs if t.file == rel]
+        planned = evaluate(rel, data, kinds, version)
+        for tid, before, after in planned.edits:
+            self.plan.steps.append(Step(tid, self.roots[0].label, rel, before, after))
+        if planned.text is not None and planned.codec is not None:
+            new = planned.codec.encode(planned.text)
             for root in self.roots:
                 path = root.path / rel
                 if path.is_file() and path.read_bytes() == new:
@@ -324,7 +251,7 @@ class Engine:
                 mode = path.stat().st_mode & 0o7777 if path.is_file() else 0o644
                 self.plan.ops.append(FileOp(path, content=new, mode=mode))
                 self.plan.changed_py.append(path)
-        return outcome
+        return list(planned.states)
 
     def _owned(self, root: Path) -> dict[str, str]:
         deployed = read_state(root).get("deployed", {})
@@ -355,7 +282,7 @@ class Engine:
             replaced = [rel for rel, (target, _) in targets.items() if rel in self.deployed and target in written]
             if plan.state is State.ALREADY_APPLIED and replaced:
                 # the engine writes it, deployed and patched in one write: the deploy did happen here
-                return FilePlan(State.APPLIED, f"{', '.join(replaced)} written with the transforms that edit it",
+                return FilePlan(State.WOULD_APPLY, f"{', '.join(replaced)} written with the transforms that edit it",
                                 plan.ops, plan.owned)
             return plan
         return kind.plan(base, owned)
@@ -403,13 +330,12 @@ class Engine:
         versions = self._versions()
         self.plan.versions = versions
         version = next(iter(versions.values()))
-        contents = self._read_sources()
+        contents = self._read_targets()
         if self.lock is not None:
             check_lock(self.lock, self.plan, version)
         for rel, data in contents.items():
-            for spec, state, message in self._plan_file(rel, data, version):
-                for root in self.roots:
-                    self.plan.results.append(self._result(spec, root.label, rel, state, message))
+            for verdict in self._plan_file(rel, data, version):
+                self.plan.results.extend(self._verdict(verdict, root.label, rel) for root in self.roots)
         owned = self._plan_files(version)
         if self.plan.ok:
             self._plan_housekeeping(contents, owned, version)
@@ -442,105 +368,12 @@ class Engine:
                 "transforms": {t.id: t.digest() for t in self.transforms},
                 # what carries our marker: verify must not take a lost marker for an upstream fix
                 "marked": sorted({r.transform for r in self.plan.results if r.root == root.label and r.state in (
-                    State.APPLIED, State.ALREADY_APPLIED) and r.transform in self.source}),
+                    State.WOULD_APPLY, State.ALREADY_APPLIED) and r.transform in self.edits}),
             }
             data = (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()
             path = root.path / STATE_FILE
             if not path.is_file() or path.read_bytes() != data:
                 self.plan.ops.append(FileOp(path, content=data))
-
-
-def make_lock(plan: Plan, recipe_name: str, package: str) -> dict[str, object]:
-    version = next(iter(plan.versions.values()), None)
-    return {"recipe": recipe_name, "vendor": {"package": package, "version": version},
-            "files": dict(sorted(plan.pristine.items()))}
-
-
-def check_lock(lock: dict[str, object], plan: Plan, version: str | None) -> None:
-    """Refuse inputs that differ from the lock, before any transform is planned."""
-    vendor = lock.get("vendor", {})
-    locked_version = vendor.get("version") if isinstance(vendor, dict) else None
-    problems = []
-    if locked_version != version:
-        problems.append(f"vendor version {version} (locked {locked_version})")
-    files = lock.get("files", {})
-    files = files if isinstance(files, dict) else {}
-    for rel, digest in plan.pristine.items():
-        if rel not in files:
-            problems.append(f"{rel} is not in the lock")
-        elif files[rel] != digest:
-            problems.append(f"{rel} sha256 {digest[:12]} (locked {str(files[rel])[:12]})")
-    if problems:
-        raise InputDriftError("input drift against the lock: " + "; ".join(problems),
-                              hint="the base image changed: review the diff, then refresh the lock with --write-lock")
-
-
-# -- writing ----------------------------------------------------------------------------------
-
-Snapshot = tuple[str, bytes | str | None, int]
-
-
-def _snapshot(path: Path) -> Snapshot:
-    if path.is_symlink():
-        return ("link", os.readlink(path), 0)
-    if path.is_file():
-        return ("file", path.read_bytes(), path.stat().st_mode & 0o7777)
-    return ("none", None, 0)
-
-
-def _place(path: Path, content: bytes | None, link: str | None, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.toolkit-tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    if link is not None:
-        os.symlink(link, tmp)
-    elif content is not None:
-        tmp.write_bytes(content)
-        os.chmod(tmp, mode)
-    else:
-        if path.is_symlink() or path.exists():
-            path.unlink()
-        return
-    os.replace(tmp, path)
-
-
-def commit(ops: list[FileOp]) -> None:
-    """Write every op, or on any failure put back every byte that was there before."""
-    done: list[tuple[Path, Snapshot]] = []
-    made_dirs: list[Path] = []
-    current = Path()
-    try:
-        for op in ops:
-            current = op.path
-            missing = [p for p in [op.path.parent, *op.path.parent.parents] if not p.exists()]
-            for folder in reversed(missing):
-                folder.mkdir()
-                made_dirs.append(folder)
-            snap = _snapshot(op.path)
-            done.append((op.path, snap))
-            _place(op.path, op.content, op.link, op.mode)
-    except BaseException as exc:
-        _rollback(done, made_dirs)
-        if isinstance(exc, OSError):
-            raise WriteError(
-                f"writing {current} failed ({exc.strerror or exc}); all {len(done)} earlier write(s) were "
-                "rolled back, every root is as it was",
-                hint="free space or fix permissions, then run apply again",
-            ) from exc
-        raise
-
-
-def _rollback(done: list[tuple[Path, Snapshot]], made_dirs: list[Path]) -> None:
-    for path, (what, data, mode) in reversed(done):
-        if what == "link":
-            _place(path, None, str(data), 0)
-        elif what == "file":
-            _place(path, data if isinstance(data, bytes) else None, None, mode)
-        elif path.is_symlink() or path.exists():
-            path.unlink()
-    for folder in reversed(made_dirs):
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
 
 
 def run_packages(engines: list[Engine]) -> Plan:

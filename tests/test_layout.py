@@ -1,0 +1,68 @@
+"""The package layout shows the stages data flows through, and imports flow one way: no module imports a later
+stage (read with ast, so a violation is found without running anything)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+# in the order data flows; a module may import its own stage and earlier ones
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("shared", ("toolkit", "toolkit.errors", "toolkit.results", "toolkit.fields", "toolkit.yamlpos",
+                "toolkit.markers")),
+    ("transforms", ("toolkit.transforms",)),
+    ("recipe", ("toolkit.recipe", "toolkit.variants")),
+    ("sources", ("toolkit.inputs", "toolkit.corexlike", "toolkit.pinned", "toolkit.pyenv")),
+    ("engine", ("toolkit.engine", "toolkit.startup", "toolkit.trial")),
+    ("lint", ("toolkit.lint",)),
+    ("submission", ("toolkit.submission",)),
+    ("runtime", ("toolkit.runtime",)),
+    ("bench", ("toolkit.bench",)),
+    ("cli", ("toolkit.report", "toolkit.cli", "toolkit.entry", "toolkit.testing")),
+]
+PACKAGES = ("toolkit.transforms", "toolkit.engine", "toolkit.lint", "toolkit.submission", "toolkit.runtime",
+            "toolkit.bench")
+
+
+def stage_of(module: str) -> int:
+    matches = [(len(prefix), rank) for rank, (_, prefixes) in enumerate(STAGES) for prefix in prefixes
+               if module == prefix or (prefix != "toolkit" and module.startswith(prefix + "."))]
+    assert matches, f"{module} belongs to no stage: add it to STAGES in {__file__}"
+    return max(matches)[1]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((REPO / "toolkit").rglob("*.py")):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        out[name] = path
+    return out
+
+
+def imports(path: Path) -> list[tuple[str, int]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("toolkit"):
+            found.append((node.module, node.lineno))
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, node.lineno) for a in node.names if a.name.startswith("toolkit"))
+    return found
+
+
+def test_no_module_imports_a_later_stage() -> None:
+    wrong = []
+    for name, path in modules().items():
+        own = stage_of(name)
+        for target, line in imports(path):
+            if stage_of(target) > own:
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {STAGES[own][0]} imports {target} "
+                             f"({STAGES[stage_of(target)][0]})")
+    assert wrong == []
+
+
+def test_each_stage_package_says_what_it_owns_and_may_import() -> None:
+    for package in PACKAGES:
+        doc = ast.get_docstring(ast.parse((REPO / package.replace(".", "/") / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"{package}/__init__.py: say what the package owns and what it may import"
