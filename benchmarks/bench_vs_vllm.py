@@ -42,15 +42,16 @@ WRAPPER = ("import argparse; from vllm.benchmarks.serve import add_cli_args, mai
 
 
 def vllm_bench(cores: set[int] | None, python: Path, url: str, model: Path, requests: int, output_len: int,
-               concurrency: int, folder: Path) -> dict[str, float]:
+               concurrency: int, folder: Path, input_len: int = 24) -> dict[str, float]:
     cmd = [*pin(cores), str(python), "-c", WRAPPER, "--backend", "openai-chat", "--base-url", url, "--endpoint",
            "/v1/chat/completions", "--model", "llm", "--tokenizer", str(model), "--dataset-name", "random",
-           "--random-input-len", "24", "--random-output-len", str(output_len), "--num-prompts", str(requests),
+           "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--num-prompts", str(requests),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--save-result", "--result-dir", str(folder),
            "--result-filename", "vllm.json", "--disable-tqdm"]
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, **OFFLINE_ENV})
     data = json.loads((folder / "vllm.json").read_text())
-    return {"output_throughput": data["output_throughput"], "ttft_p50_ms": data["median_ttft_ms"]}
+    return {"output_throughput": data["output_throughput"], "ttft_p50_ms": data["median_ttft_ms"],
+            "prompt_tokens": data["total_input_tokens"] / data["completed"]}
 
 
 def ours(cores: set[int] | None, url: str, requests: int, output_len: int, concurrency: int,
@@ -62,7 +63,8 @@ def ours(cores: set[int] | None, url: str, requests: int, output_len: int, concu
                     "--json"], check=True, capture_output=True, cwd=ROOT)
     summary = json.loads((out / f"c{concurrency}" / "summary.json").read_text())
     assert summary["success_rate"] == 1.0, summary
-    return {"output_throughput": summary["output_tps_agg"], "ttft_p50_ms": summary["ttft_p50_ms"]}
+    return {"output_throughput": summary["output_tps_agg"], "ttft_p50_ms": summary["ttft_p50_ms"],
+            "prompt_tokens": summary["total_prompt_tokens"] / summary["requests"]}
 
 
 def main() -> int:
@@ -88,14 +90,19 @@ def main() -> int:
             cores = server.client_cores()
             print(f"engine process {moved or 'not moved'} beside the worker; clients on cores "
                   f"{sorted(cores) if cores else 'any'}")
-            vllm_bench(cores, python, server.url, model, 4, 16, 1, Path(tmp))  # warm-up
+            # warm-ups, which also size vLLM's random prompts to ours (its template adds tokens to the 24 asked)
+            overhead = vllm_bench(cores, python, server.url, model, 4, 16, 1, Path(tmp))["prompt_tokens"] - 24
+            ours_prompt = ours(cores, server.url, 4, 16, 1, Path(tmp))["prompt_tokens"]
+            input_len = max(1, round(ours_prompt - overhead))
+            print(f"prompt tokens per request: toolkit {ours_prompt:.1f}; vllm bench --random-input-len {input_len} "
+                  f"(+{overhead:.0f} of its template)")
             print(f"{'concurrency':>11} {'metric':18} {'toolkit':>10} {'vllm bench':>11} {'ratio':>6}")
             for concurrency in (1, 4):
                 mine: list[dict[str, float]] = []
                 theirs: list[dict[str, float]] = []
                 for _ in range(args.rounds):  # alternating, so drift in the machine's load hits both
                     theirs.append(vllm_bench(cores, python, server.url, model, args.requests, args.output_len,
-                                             concurrency, Path(tmp)))
+                                             concurrency, Path(tmp), input_len))
                     mine.append(ours(cores, server.url, args.requests, args.output_len, concurrency, Path(tmp)))
                 for metric in ("output_throughput", "ttft_p50_ms"):
                     a = sum(m[metric] for m in mine) / len(mine)
