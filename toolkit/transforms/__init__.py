@@ -5,6 +5,10 @@ May import: the shared modules (errors, results, fields) only; the recipe import
 
 from __future__ import annotations
 
+import types
+
+# The registry: one line per kind. Every kind module imported here ends with `KIND = Kind(Model, Behaviour)` and
+# is registered by being imported (the static import also keeps it in the in-image step's import closure).
 from toolkit.transforms import (
     add_import,
     assign,
@@ -18,17 +22,8 @@ from toolkit.transforms import (
 )
 from toolkit.transforms.base import Context, EditKind, FileKind, Kind, ModuleEdit, TransformBase
 
-KINDS: dict[str, Kind] = {k.name: k for k in (
-    set_kwarg.KIND,
-    assign.KIND,
-    dict_entries.KIND,
-    dispatch.KIND,
-    add_import.KIND,
-    statements.KIND,
-    replace_body.KIND,
-    deploy.KIND,
-    symlink.KIND,
-)}
+KINDS: dict[str, Kind] = {module.KIND.name: module.KIND for module in list(globals().values())
+                          if isinstance(module, types.ModuleType) and isinstance(getattr(module, "KIND", None), Kind)}
 
 
 def edit_kind(spec: ModuleEdit, ctx: Context) -> EditKind:
