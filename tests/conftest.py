@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from standin_adapter import make_repo
@@ -153,3 +154,22 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
 
 def roots_of(rootfs: Path) -> list[Path]:
     return [rootfs / r.lstrip("/") for r in COREX_ROOTS]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    """A reachable Docker engine; without one the test skips and says why, or fails under TOOLKIT_REQUIRE_DOCKER=1
+    (set by .ci/run: CI must have an engine)."""
+    import os
+
+    import docker
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception as exc:
+        reason = f"no Docker engine reachable at {os.environ.get('DOCKER_HOST', 'the default socket')}: {exc}"
+        if os.environ.get("TOOLKIT_REQUIRE_DOCKER") == "1":
+            pytest.fail(reason + " (TOOLKIT_REQUIRE_DOCKER=1: CI must have an engine)")
+        pytest.skip(reason)
+    return client

@@ -83,3 +83,39 @@ def test_an_interrupted_experiment_stops_the_server_it_started(cpu_env: tuple[Pa
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err
     assert stray_processes() == [] and not port_in_use(port), "the interrupt stopped its server and workers"
+
+
+USERLAND_TAG = "toolkit-test/userland:latest"
+
+
+def test_experiment_runs_each_variant_in_an_image_with_docker_run(cli: Any, cpu_env: tuple[Path, Path],
+                                                                   engine: Any, tmp_path: Path) -> None:
+    """`--image`: the variant's exact argv in a container (host network, the model at /model), measured, its log
+    kept, the container stopped and removed; a labelled container left running refuses the next start."""
+    from toolkit.bench.serve import CONTAINER_LABEL
+    from toolkit.testing import make_userland_image
+
+    python, model = cpu_env
+    make_userland_image(USERLAND_TAG)
+    venv = python.parent.parent
+    mounts = [f"{venv}:{venv}", f"{sys.base_prefix}:{sys.base_prefix}", "/usr:/usr"]  # the CPU server's userland
+    args = ["--image", USERLAND_TAG, "--python", python, "--model", model,
+            *[item for m in mounts for item in ("--mount", m)]]
+    out = tmp_path / "exp"
+    result = cli("experiment", RECIPE, *args, "--workload", "short", "--requests", "4", "--max-tokens", "16",
+                 "--ignore-eos", "--concurrency", "1", "-o", out, "--json")
+    assert result.code == 0, result.err + result.out
+    [variant] = result.json()["variants"]
+    assert variant["status"] == "measured" and [r["success_rate"] for r in variant["runs"]] == [1.0], variant
+    run = json.loads((out / "base" / "bench" / "c1" / "run.json").read_text())
+    assert run["image"] == USERLAND_TAG and run["argv"][run["argv"].index("--model") + 1] == "/model"
+    assert "Application startup complete" in (out / "base" / "server.log").read_text()  # the container's log, kept
+    assert engine.containers.list(all=True, filters={"label": CONTAINER_LABEL}) == []
+    assert stray_processes() == []
+    leftover = engine.containers.run(USERLAND_TAG, ["sleep", "120"], detach=True, labels={CONTAINER_LABEL: "decoy"},
+                                     volumes={"/usr": {"bind": "/usr", "mode": "ro"}})
+    try:
+        refused = cli("experiment", RECIPE, *args, "-o", tmp_path / "again")
+        assert refused.code == 2 and f"container left running {leftover.short_id}" in refused.err, refused.err
+    finally:
+        leftover.remove(force=True)

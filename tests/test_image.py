@@ -8,7 +8,6 @@ missing engine is a failure.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,21 +23,6 @@ from toolkit.transforms.base import ModuleEdit
 
 BASE_TAG = "toolkit-test/corex:py311"
 DRIFTED_TAG = "toolkit-test/corex-drifted:py311"
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    import docker
-
-    try:
-        client = docker.from_env()
-        client.ping()
-    except Exception as exc:
-        reason = f"no Docker engine reachable at {os.environ.get('DOCKER_HOST', 'the default socket')}: {exc}"
-        if os.environ.get("TOOLKIT_REQUIRE_DOCKER") == "1":
-            pytest.fail(reason + " (TOOLKIT_REQUIRE_DOCKER=1: CI must have an engine)")
-        pytest.skip(reason)
-    return client
 
 
 @pytest.fixture(scope="module")

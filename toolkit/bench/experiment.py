@@ -15,7 +15,7 @@ import yaml
 
 from toolkit.bench.client import Conversation, Settings
 from toolkit.bench.runner import bench, new_folder
-from toolkit.bench.serve import GpuSampler, Server, leftovers
+from toolkit.bench.serve import ContainerServer, GpuSampler, Lifecycle, Server, leftovers
 from toolkit.errors import ToolkitError
 from toolkit.lint import lint
 from toolkit.recipe import LoadedRecipe
@@ -51,7 +51,17 @@ def _client_on(cores: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def server_command(run_config: str, python: Path, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
+@dataclass(frozen=True)
+class InImage:
+    """Run each variant in this image with `docker run` instead of with a Python here."""
+
+    tag: str
+    mounts: list[str] = field(default_factory=list)  # extra read-only HOST:CONTAINER mounts
+    devices: list[str] = field(default_factory=list)  # device files to pass in (e.g. /dev/iluvatar0)
+    gpus: bool = False  # request every GPU (the NVIDIA container runtime)
+
+
+def server_command(run_config: str, python: Path | str, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
     """The run config's argv and env, with this machine's Python, model folder, loopback host and port."""
     config = yaml.safe_load(run_config)
     argv = [str(item) for item in config["command"]]
@@ -76,9 +86,11 @@ class VariantRun:
 
 
 def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: list[Conversation], workload: str,
-               concurrencies: list[int], settings: Settings, outdir: Path, *, python: Path, model: Path,
-               port: int, start_timeout_s: float, sampler: GpuSampler) -> list[VariantRun]:
-    """Measure every variant in turn; the server it starts is always stopped, interrupt or not."""
+               concurrencies: list[int], settings: Settings, outdir: Path, *, python: Path | str, model: Path,
+               port: int, start_timeout_s: float, sampler: GpuSampler,
+               image: InImage | None = None) -> list[VariantRun]:
+    """Measure every variant in turn; the server it starts is always stopped, interrupt or not. With `image`, each
+    runs in that image (`/model` mapped to `model`, `python` as the run config says unless given); else here."""
     new_folder(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     results: list[VariantRun] = []
@@ -94,10 +106,17 @@ def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: lis
                                hint="stop them (a leftover worker makes a configuration look impossible), then "
                                "run again")
         folder = outdir / variant.name
-        argv, env = server_command(render(recipe, loaded.path.name, variant.name).run_config, python, model, port)
-        full_env = {**os.environ, **OFFLINE_ENV, **env}
-        server = Server(argv, full_env, cwd=outdir, log_path=folder / "server.log",
-                        url=f"http://127.0.0.1:{port}", model=settings.model)
+        run_config = render(recipe, loaded.path.name, variant.name).run_config
+        url = f"http://127.0.0.1:{port}"
+        server: Lifecycle
+        if image is not None:
+            argv, env = server_command(run_config, python, Path("/model"), port)
+            server = ContainerServer(image.tag, argv, {**OFFLINE_ENV, **env}, model, folder / "server.log", url,
+                                     settings.model, image.mounts, image.devices, image.gpus)
+        else:
+            argv, env = server_command(run_config, python, model, port)
+            server = Server(argv, {**os.environ, **OFFLINE_ENV, **env}, cwd=outdir, log_path=folder / "server.log",
+                            url=url, model=settings.model)
         record = VariantRun(variant.name, "FAILED", "")
         results.append(record)
         try:
@@ -110,6 +129,7 @@ def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: lis
                     runs = bench(server.url, conversations, concurrencies, settings, folder / "bench",
                                  workload=workload, extra_run={"variant": variant.name, "argv": argv, "env": env,
                                                                "recipe": str(loaded.path),
+                                                               "image": image.tag if image else None,
                                                                "client_cores": sorted(cores) if cores else None})
             finally:
                 gpu_points = sampler.stop()

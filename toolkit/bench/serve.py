@@ -12,7 +12,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
@@ -65,6 +65,7 @@ def free_port() -> int:
 def leftovers(port: int, sampler: GpuSampler | None = None, gpu_memory_mb: float = 1024.0) -> list[str]:
     """Everything that would make a new server look worse than it is: strays, a taken port, GPU memory held."""
     problems = [f"stray server/worker process {p}" for p in stray_processes()]
+    problems += [f"container left running {c}" for c in stray_containers()]
     if port_in_use(port):
         problems.append(f"port {port} is already taken")
     if sampler is not None and sampler.available:
@@ -74,8 +75,56 @@ def leftovers(port: int, sampler: GpuSampler | None = None, gpu_memory_mb: float
     return problems
 
 
+class Lifecycle:
+    """What every way of running a server shares: wait until it serves, failing fast when it exits."""
+
+    url: str
+    model: str
+    log_path: Path
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def exited(self) -> int | None:
+        """The exit code once the server has exited, else None."""
+        raise NotImplementedError
+
+    def log_tail(self, lines: int = 30) -> str:
+        raise NotImplementedError
+
+    def stop(self, grace_s: float = 30.0) -> float:
+        raise NotImplementedError
+
+    def client_cores(self) -> set[int] | None:
+        return None
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds until /health is 200 and /v1/models lists the model; fails fast if the server exits."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            code = self.exited()
+            if code is not None:
+                raise ToolkitError(f"the server exited with code {code} before it was ready; its log ends:\n"
+                                   f"{self.log_tail()}", hint=f"the whole log: {self.log_path}")
+            try:
+                health = httpx.get(self.url + "/health", timeout=2)
+                if health.status_code == 200:
+                    models = httpx.get(self.url + "/v1/models", timeout=5).json()
+                    if any(m.get("id") == self.model for m in models.get("data", [])):
+                        return time.monotonic() - started
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        tail = self.log_tail()
+        self.stop()
+        raise ToolkitError(f"the server was not ready after {timeout_s:.0f} s (stopped); its log ends:\n{tail}",
+                           hint=f"raise --start-timeout, or read the whole log: {self.log_path}")
+
+
 @dataclass
-class Server:
+class Server(Lifecycle):
+    """A server run here, in its own process group."""
+
     argv: list[str]
     env: dict[str, str]
     cwd: Path
@@ -92,34 +141,14 @@ class Server:
         self.process = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
 
+    def exited(self) -> int | None:
+        return self.process.poll() if self.process is not None else None
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-    def wait_ready(self, timeout_s: float) -> float:
-        """Seconds until /health is 200 and /v1/models lists the model; fails fast if the process dies."""
-        assert self.process is not None
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            code = self.process.poll()
-            if code is not None:
-                raise ToolkitError(f"the server exited with code {code} before it was ready; its log ends:\n"
-                                   f"{self.log_tail()}", hint=f"the whole log: {self.log_path}")
-            try:
-                health = httpx.get(self.url + "/health", timeout=2)
-                if health.status_code == 200:
-                    models = httpx.get(self.url + "/v1/models", timeout=5).json()
-                    if any(m.get("id") == self.model for m in models.get("data", [])):
-                        return time.monotonic() - started
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise ToolkitError(f"the server was not ready after {timeout_s:.0f} s (stopped); its log ends:\n"
-                           f"{self.log_tail()}", hint="raise --start-timeout, or read the whole log: "
-                           f"{self.log_path}")
 
     def client_cores(self) -> set[int] | None:
         return client_cores(self.process.pid) if self.process is not None else None
@@ -149,6 +178,82 @@ class Server:
             self._log.close()
         self.process = None
         return time.monotonic() - started
+
+
+CONTAINER_LABEL = "toolkit.experiment"
+
+
+@dataclass
+class ContainerServer(Lifecycle):
+    """A server run in an image with `docker run` (the Docker SDK): the host's network (the server listens on the
+    loopback port it is given), the model folder at /model, the host's IPC namespace (vLLM's shared memory),
+    labelled so a leftover is recognised; stopping it stops the container and removes it, its log kept."""
+
+    image: str
+    argv: list[str]
+    env: dict[str, str]
+    model_dir: Path
+    log_path: Path
+    url: str
+    model: str = "llm"
+    mounts: list[str] = field(default_factory=list)  # HOST:CONTAINER, read-only
+    devices: list[str] = field(default_factory=list)
+    gpus: bool = False
+    container: Any = None
+
+    def start(self) -> None:
+        import docker
+
+        from toolkit.submission.image import client
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        volumes = {str(self.model_dir): {"bind": "/model", "mode": "ro"}}
+        for mount in self.mounts:
+            host, _, inside = mount.partition(":")
+            volumes[host] = {"bind": inside or host, "mode": "ro"}
+        requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if self.gpus else None
+        self.container = client().containers.run(
+            self.image, command=self.argv, environment=self.env, network_mode="host", ipc_mode="host",
+            volumes=volumes, devices=self.devices or None, device_requests=requests, detach=True,
+            labels={CONTAINER_LABEL: self.url})
+
+    def exited(self) -> int | None:
+        if self.container is None:
+            return None
+        self.container.reload()
+        if self.container.status in ("exited", "dead"):
+            return int(self.container.attrs.get("State", {}).get("ExitCode", 1))
+        return None
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.container is None:
+            return "(no container)"
+        return str(self.container.logs(tail=lines).decode("utf-8", "replace")).rstrip()
+
+    def stop(self, grace_s: float = 30.0) -> float:
+        started = time.monotonic()
+        if self.container is None:
+            return 0.0
+        import docker
+
+        with contextlib.suppress(docker.errors.NotFound):
+            self.container.stop(timeout=int(grace_s))
+            self.log_path.write_bytes(self.container.logs())
+            self.container.remove(force=True)
+        self.container = None
+        return time.monotonic() - started
+
+
+def stray_containers() -> list[str]:
+    """Running containers an experiment started (by label), when an engine is reachable."""
+    try:
+        import docker
+
+        running = docker.from_env().containers.list(filters={"label": CONTAINER_LABEL})
+    except Exception:  # no engine, no SDK configuration: no container of ours can be running
+        return []
+    return [f"{c.short_id} (image {c.attrs.get('Config', {}).get('Image', '?')}, serving {c.labels[CONTAINER_LABEL]})"
+            for c in running]
 
 
 def group_members(pgid: int) -> list[int]:
