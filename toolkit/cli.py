@@ -51,7 +51,8 @@ if TYPE_CHECKING:
 
 EPILOG = """\
 exit codes:
-  0  every transform APPLIED, ALREADY_APPLIED, SUPERSEDED or GATED_OFF (verify: no findings)
+  0  every transform APPLIED (WOULD_APPLY: planned, not written), ALREADY_APPLIED, SUPERSEDED or GATED_OFF
+     (verify: no findings)
   1  a transform DRIFTED, or verify found a problem; nothing was written
   2  bad recipe, bad arguments, missing files; preflight: a variant cannot start
   3  input drift: the vendor roots differ from each other, from the lock, or from vendor.version
