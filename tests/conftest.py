@@ -1,4 +1,4 @@
-"""Shared fixtures: real vLLM releases fetched by pip (cached), CoreX-like pinned, the CLI."""
+"""Shared fixtures: real vLLM releases fetched by pip (cached), CoreX-like trees, the CLI."""
 
 from __future__ import annotations
 

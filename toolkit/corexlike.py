@@ -46,7 +46,7 @@ VENDOR_EDITS: tuple[tuple[str, str, str], ...] = (
 def corexify(tree: Path, *, only_present: bool = False) -> None:
     """Apply the documented vendor changes to an upstream vLLM tree in place.
 
-    only_present: for pinned that hold a subset of vLLM's files, skip edits of absent files.
+    only_present: for trees that hold a subset of vLLM's files, skip edits of absent files.
     """
     for rel, pattern, replacement in VENDOR_EDITS:
         path = tree / rel

@@ -1,4 +1,5 @@
-"""Vendor pinned: the recipe's roots under a rootfs folder, or a reference release fetched by pip."""
+"""Inputs: the recipe's vendor roots under a rootfs folder, declared packages' roots, reference releases fetched
+by pip (the one `pip download` helper), their versions, and the cache they are kept in."""
 
 from __future__ import annotations
 

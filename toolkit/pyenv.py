@@ -1,4 +1,4 @@
-"""Cached virtual environments built by pip (the CPU test server, the CPU runtime of vendor pinned)."""
+"""Cached virtual environments built by pip (the CPU test server, the CPU runtime of vendor trees)."""
 
 from __future__ import annotations
 
