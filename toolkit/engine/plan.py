@@ -13,7 +13,6 @@ import libcst as cst
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from toolkit.engine.codec import sha256
 from toolkit.engine.evaluate import Verdict, evaluate, gated_off
 from toolkit.engine.state import STATE_FILE, check_lock, read_state
 from toolkit.errors import InputDriftError, ToolkitError
@@ -24,7 +23,7 @@ from toolkit.results import Result, State
 from toolkit.transforms import edit_kind, file_kind
 from toolkit.transforms.base import Context, FileKind, ModuleEdit, TransformBase
 from toolkit.transforms.deploy import Deploy, DeployKind
-from toolkit.transforms.files import FileOp, FilePlan
+from toolkit.transforms.files import FileOp, FilePlan, sha256
 
 ROOTFS_LABEL = "/"
 

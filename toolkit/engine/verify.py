@@ -3,7 +3,6 @@ plans an apply, checking instead of rewriting), every file compiles and keeps it
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
@@ -18,6 +17,7 @@ from toolkit.results import Finding, Report, Result, State
 from toolkit.startup import startup_checks
 from toolkit.transforms.base import ModuleEdit
 from toolkit.transforms.deploy import DeployKind
+from toolkit.transforms.files import is_binary, sha256
 
 
 def _verify_sources(engine: Engine, root: Root, version: str | None,
@@ -31,7 +31,7 @@ def _verify_sources(engine: Engine, root: Root, version: str | None,
         kinds = [engine.edits[t.id] for t in engine.edit_specs if t.file == rel]
         path = root.path / rel
         data = path.read_bytes() if path.is_file() else None
-        key = (rel, hashlib.sha256(data).hexdigest() if data is not None else "missing", *sorted(marked))
+        key = (rel, sha256(data) if data is not None else "missing", *sorted(marked))
         if key not in cache:
             cache[key] = evaluate(rel, data, kinds, version, check=True, marked=marked)
         checked = cache[key]
@@ -97,7 +97,7 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
             results.append(engine._result(spec, label, shown, state, message))
             if isinstance(kind, DeployKind):
                 deployed = [target for target, _ in kind.targets(base).values()]
-                texts = [p for p in deployed if not _binary(p)]
+                texts = [p for p in deployed if p.is_file() and not is_binary(p.read_bytes())]
                 findings.extend(_lf_findings(label, base, texts, "line-endings"))
     if engine.package == recipe.vendor.package:
         for root in roots:
@@ -109,9 +109,3 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
     results.sort(key=lambda r: (order[r.transform], r.root))
     return Report("verify", str(loaded.path), tuple(results), tuple(findings), tuple(notes))
 
-
-def _binary(path: Path) -> bool:
-    try:
-        return b"\0" in path.read_bytes()[:8192]
-    except OSError:
-        return False

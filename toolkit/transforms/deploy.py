@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Literal
 
@@ -12,7 +11,7 @@ from toolkit.errors import ToolkitError
 from toolkit.fields import Sha256, relative_path
 from toolkit.results import State
 from toolkit.transforms.base import Context, Kind, TransformBase
-from toolkit.transforms.files import FileOp, FilePlan, under
+from toolkit.transforms.files import FileOp, FilePlan, is_binary, sha256, under
 
 
 class Deploy(TransformBase):
@@ -85,14 +84,6 @@ def source_files(source: Path) -> dict[str, Path]:
         if path.is_file() and not SKIP_PARTS.intersection(rel.parts) and path.suffix != ".pyc":
             out[rel.as_posix()] = path
     return out
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def is_binary(data: bytes) -> bool:
-    return b"\0" in data[:8192]
 
 
 def as_deployed(data: bytes) -> bytes:

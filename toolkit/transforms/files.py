@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,15 @@ class FilePlan:
     message: str
     ops: tuple[FileOp, ...] = ()
     owned: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # (relative path, sha256) we placed
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_binary(data: bytes) -> bool:
+    """A NUL byte in the first 8 KiB: not text (never line-ending-normalised or -checked)."""
+    return b"\0" in data[:8192]
 
 
 def under(base: Path, path: str) -> Path:
