@@ -4,7 +4,6 @@ The recipe is measured in ../shared/BENCH.md section 3."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -14,7 +13,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.bench.serve import group_members
+from toolkit.bench.serve import group_members, process_name
 from toolkit.errors import InputError
 from toolkit.inputs import cache_dir, cached_tree, pip_download
 from toolkit.pyenv import TORCH, pip, python_tag, venv
@@ -90,10 +89,7 @@ def engine_beside_worker(server_pgid: int) -> list[int]:
     each read; sharing the other core with the API server, it starves it for whole requests in some phases, so
     every client sees streams arrive in one burst at the end (TTFT = end-to-end time, both `vllm bench serve`
     and ours, in 1 to 15 of 16 requests). Beside the worker, no burst in 64 requests; end-to-end time +15%."""
-    comms: dict[int, str] = {}
-    for pid in group_members(server_pgid):
-        with contextlib.suppress(OSError):
-            comms[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+    comms = {pid: process_name(pid) for pid in group_members(server_pgid)}
     workers = [pid for pid, comm in comms.items() if comm.startswith("VLLM::Worker")]
     engines = [pid for pid, comm in comms.items() if comm.startswith("VLLM::EngineCor")]
     if not workers or not engines:

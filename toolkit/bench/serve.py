@@ -29,7 +29,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _comm(pid: int) -> str:
+def process_name(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
@@ -44,7 +44,7 @@ def stray_processes(exclude: set[int] | None = None) -> list[str]:
         if not entry.name.isdigit() or int(entry.name) in exclude:
             continue
         pid = int(entry.name)
-        text = _cmdline(pid) + " " + _comm(pid)
+        text = _cmdline(pid) + " " + process_name(pid)
         if any(marker in text for marker in SERVER_MARKERS):
             found.append(f"{pid}: {text[:160]}")
     return found
