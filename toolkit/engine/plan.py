@@ -21,7 +21,7 @@ from toolkit.markers import read_markers
 from toolkit.recipe import LoadedRecipe
 from toolkit.results import Result, State
 from toolkit.transforms import edit_kind, file_kind
-from toolkit.transforms.base import Context, FileKind, ModuleEdit, TransformBase
+from toolkit.transforms.base import Context, EditKind, FileKind, ModuleEdit, TransformBase
 from toolkit.transforms.deploy import Deploy, DeployKind
 from toolkit.transforms.files import FileOp, FilePlan, sha256
 
@@ -103,6 +103,9 @@ class Engine:
         active = [t for t in self.transforms if t.id not in skip]
         self.edit_specs = [t for t in active if isinstance(t, ModuleEdit)]
         self.edits = {t.id: edit_kind(t, self.ctx) for t in self.edit_specs}
+        self.edits_by_file: dict[str, list[EditKind]] = defaultdict(list)  # target file -> its edits, recipe order
+        for t in self.edit_specs:
+            self.edits_by_file[t.file].append(self.edits[t.id])
         self.files = {t.id: file_kind(t, self.ctx) for t in active if not isinstance(t, ModuleEdit)}
         # files a deploy installs in the roots and source transforms then edit: deployed once, patched
         self.deployed: dict[str, tuple[bytes, Deploy]] = {}
@@ -155,7 +158,7 @@ class Engine:
         """Each target file's bytes, identical in every root (or refused)."""
         states = {r.label: read_state(r.path) for r in self.roots}
         out: dict[str, bytes | None] = {}
-        for rel in dict.fromkeys(t.file for t in self.edit_specs):
+        for rel in self.edits_by_file:
             seen: dict[str, bytes | None] = {}
             for root in self.roots:
                 path = root.path / rel
@@ -237,8 +240,7 @@ class Engine:
         return self._result(verdict.spec, root, file, verdict.state, verdict.message, verdict.field)
 
     def _plan_file(self, rel: str, data: bytes | None, version: str | None) -> list[Verdict]:
-        kinds = [self.edits[t.id] for t in self.edit_specs if t.file == rel]
-        planned = evaluate(rel, data, kinds, version)
+        planned = evaluate(rel, data, self.edits_by_file[rel], version)
         for tid, before, after in planned.edits:
             self.plan.steps.append(Step(tid, self.roots[0].label, rel, before, after))
         if planned.text is not None and planned.codec is not None:

@@ -15,7 +15,6 @@ from toolkit.inputs import Root, version_with_source
 from toolkit.recipe import LoadedRecipe
 from toolkit.results import Finding, Report, Result, State
 from toolkit.startup import startup_checks
-from toolkit.transforms.base import ModuleEdit
 from toolkit.transforms.deploy import DeployKind
 from toolkit.transforms.files import is_binary, sha256
 
@@ -27,8 +26,7 @@ def _verify_sources(engine: Engine, root: Root, version: str | None,
     findings: list[Finding] = []
     marked = read_state(root.path).get("marked", [])
     marked = marked if isinstance(marked, list) else []
-    for rel in dict.fromkeys(t.file for t in engine.edit_specs):
-        kinds = [engine.edits[t.id] for t in engine.edit_specs if t.file == rel]
+    for rel, kinds in engine.edits_by_file.items():
         path = root.path / rel
         data = path.read_bytes() if path.is_file() else None
         key = (rel, sha256(data) if data is not None else "missing", *sorted(marked))
@@ -78,10 +76,8 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
             findings.extend(_lf_findings(root.label, root.path, sorted(root.path.glob(pattern)), "line-endings"))
     # deploys and links: planning them with nothing left to do is exactly "in place"
     version = versions[roots[0].label]
-    for spec in engine.transforms:
-        if isinstance(spec, ModuleEdit):
-            continue
-        kind = engine.files[spec.id]
+    for kind in engine.files.values():
+        spec = kind.spec
         shown = spec.target_label
         if (skipped := engine.no_rootfs(kind)) is not None:
             results.append(skipped)
@@ -105,7 +101,6 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
             findings.extend(Finding("startup", root.label, c.name, c.detail) for c in checks if not c.ok)
             notes.append(f"{root.label}: {sum(c.ok for c in checks)} of {len(checks)} startup check(s) passed "
                          "(flags, parsers, architectures, deployed modules compile)")
-    order = {t.id: i for i, t in enumerate(recipe.transforms)}
-    results.sort(key=lambda r: (order[r.transform], r.root))
+    results.sort(key=lambda r: (engine.index[r.transform], r.root))
     return Report("verify", str(loaded.path), tuple(results), tuple(findings), tuple(notes))
 
