@@ -43,6 +43,7 @@ from toolkit.submission.build import (
 from toolkit.submission.build import push as push_submission
 from toolkit.submission.check import verify_submission
 from toolkit.trial import try_recipe
+from toolkit.variants import Variant
 from toolkit.variants import expand as expand_variants
 from toolkit.variants import find as find_variant
 
@@ -404,6 +405,14 @@ def cmd_variants(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _one_or_all_variants(loaded: LoadedRecipe, args: argparse.Namespace) -> list[Variant]:
+    """--variant NAME, else every variant with --all-variants, else the base (the first of the expanded set)."""
+    if args.variant:
+        return [find_variant(loaded.recipe, args.variant)]
+    every = expand_variants(loaded.recipe)
+    return every if args.all_variants else every[:1]
+
+
 def _build_preflight(loaded: LoadedRecipe, pinned: dict[str, Path],
                      args: argparse.Namespace) -> tuple[list[str], Report | None]:
     """Preflight of what the build writes, when the CPU runtime is here (a Report: refused, nothing written)."""
@@ -417,11 +426,7 @@ def _build_preflight(loaded: LoadedRecipe, pinned: dict[str, Path],
     if args.rootfs:
         return ["preflight not run by build with --rootfs: run `toolkit preflight RECIPE --rootfs DIR` on the "
                 "applied roots"], None
-    variants = expand_variants(loaded.recipe)
-    if args.variant:
-        variants = [find_variant(loaded.recipe, args.variant)]
-    elif not args.all_variants:
-        variants = variants[:1]
+    variants = _one_or_all_variants(loaded, args)
     # what lint refuses is refused by the build with lint's message; preflight checks what would be written
     variants = [v for v in variants if not [i for i in lint(loaded, v.apply(loaded.recipe), variant=v.name).issues
                                             if i.severity is Severity.ERROR]]
@@ -444,11 +449,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from toolkit.runtime.env import runtime
 
     loaded, pinned = _pinned(load_recipe(args.recipe), args)
-    variants = expand_variants(loaded.recipe)
-    if args.variant:
-        variants = [find_variant(loaded.recipe, args.variant)]
-    elif not args.all_variants:
-        variants = variants[:1]
+    variants = _one_or_all_variants(loaded, args)
     python = runtime()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
