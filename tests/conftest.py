@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +16,21 @@ import pytest
 from standin_adapter import make_repo
 
 from toolkit.cli import main
-from toolkit.corexlike import COREX_ROOTS, corexify, make_rootfs
+from toolkit.corexlike import COREX_BASE, COREX_ROOTS, corexify, make_rootfs
 from toolkit.inputs import fetch_reference
-from toolkit.recipe import load_recipe
-from toolkit.transforms.deploy import Deploy, lf_digest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No test reaches GitHub, on any machine: the flagship's adapter URL (and any other github.com URL) is
+    rewritten by git to a folder that does not exist, so `toolkit build` without --source meets an unreachable
+    source the same way everywhere, and the real third-party adapter is never fetched. Tests that want a remote
+    serve one themselves (file:// or git daemon on loopback)."""
+    gitconfig = Path(tempfile.mkdtemp(prefix="toolkit-tests-git-")) / "gitconfig"
+    gitconfig.write_text('[url "file:///nonexistent/github.com/"]\n\tinsteadOf = https://github.com/\n'
+                         "[user]\n\tname = toolkit tests\n\temail = tests@localhost\n")
+    os.environ["GIT_CONFIG_GLOBAL"] = str(gitconfig)
 FLAGSHIP = REPO / "recipes" / "bi100-qwen36.yaml"
 # where the image's transformers lives (the adapter's handoff log); found there with find_spec, not declared
 TRANSFORMERS_SITE = "usr/local/lib/python3.10/site-packages"
@@ -29,7 +40,13 @@ TRANSFORMERS_FILES = ("transformers/__init__.py", "transformers/models/__init__.
 
 @pytest.fixture(scope="session")
 def vllm_063() -> Path:
-    """vLLM 0.6.3.post1, the public base of the CoreX build (about 195 MB, fetched once, cached)."""
+    """vLLM 0.6.3, the true public base of the CoreX build (about 195 MB, fetched once, cached)."""
+    return fetch_reference(COREX_BASE)
+
+
+@pytest.fixture(scope="session")
+def vllm_063_post1() -> Path:
+    """vLLM 0.6.3.post1, the release the CoreX build was once taken to be based on."""
     return fetch_reference("vllm==0.6.3.post1")
 
 
@@ -56,21 +73,12 @@ def standin(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
     return make_repo(tmp_path_factory.mktemp("standin"), vllm_063)
 
 
-@pytest.fixture(scope="session")
-def fixture_lock(corex_template: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Replacement expectations taken from the CoreX-like fixture (the flagship's are the real image's)."""
-    root = corex_template / COREX_ROOTS[0].lstrip("/")
-    recipe = load_recipe(FLAGSHIP).recipe
-    lock = {t.dest: lf_digest((root / t.dest).read_bytes()) for t in recipe.transforms
-            if isinstance(t, Deploy) and t.replaces}
-    path = tmp_path_factory.mktemp("lock") / "fixture-expectations.json"
-    path.write_text(json.dumps(lock, indent=2))
-    return path
-
-
-def transformers_site(rootfs: Path, transformers: Path) -> Path:
-    """The files of transformers the flagship edits, with its metadata, where the image keeps it."""
+def transformers_site(rootfs: Path, transformers: Path, full: bool = False) -> Path:
+    """The files of transformers the flagship edits (full: the whole package, for running it), with its metadata,
+    where the image keeps it."""
     site = rootfs / TRANSFORMERS_SITE
+    if full:
+        shutil.copytree(transformers / "transformers", site / "transformers", dirs_exist_ok=True)
     for rel in TRANSFORMERS_FILES:
         (site / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(transformers / rel, site / rel)
@@ -80,15 +88,16 @@ def transformers_site(rootfs: Path, transformers: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def adapter_args(standin: tuple[Path, str], fixture_lock: Path) -> list[str]:
-    """The stand-in adapter instead of the pinned one, and the fixture's replacement expectations."""
+def adapter_args(standin: tuple[Path, str]) -> list[str]:
+    """The stand-in adapter instead of the pinned one (the fixture's replaced files are the real image's: no
+    --expect swap)."""
     clone, commit = standin
-    return ["--source", f"qwen36-adapter={clone}@{commit}", "--expect", str(fixture_lock)]
+    return ["--source", f"qwen36-adapter={clone}@{commit}"]
 
 
 @pytest.fixture
 def flagship_args(adapter_args: list[str], corex_rootfs: Path, transformers_455: Path) -> list[str]:
-    """What the flagship needs on the fixture: the stand-in adapter, the fixture's expectations, transformers."""
+    """What the flagship needs on the fixture: the stand-in adapter and transformers."""
     site = transformers_site(corex_rootfs, transformers_455)
     return [*adapter_args, "--package-root", f"transformers={site}"]
 
@@ -160,8 +169,6 @@ def roots_of(rootfs: Path) -> list[Path]:
 def engine() -> Any:
     """A reachable Docker engine; without one the test skips and says why, or fails under TOOLKIT_REQUIRE_DOCKER=1
     (set by .ci/run: CI must have an engine)."""
-    import os
-
     import docker
 
     try:

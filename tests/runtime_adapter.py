@@ -84,6 +84,18 @@ def main():
         return out, step, final
 
     compare("CHUNK_PARALLEL", prefill_then_decode, "gdn.chunk", results)
+
+    # vLLM's own linear layer: in the vendor tree its forward calls ixformer.functions.linear (stood in, mapped)
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    layer = ReplicatedLinear(12, 7, bias=True, params_dtype=torch.float32)
+    default_weight_loader(layer.weight, torch.randn(7, 12, generator=g))
+    default_weight_loader(layer.bias, torch.randn(7, generator=g))
+    with torch.no_grad():
+        got, _ = layer(rows)
+        want = rows.double() @ layer.weight.double().t() + layer.bias.double()
+    results["LINEAR"] = {"max_abs_diff": float((got.double() - want).abs().max()),
+                         "smallest_output": float(want.abs().max())}
     json.dump(results, sys.__stdout__)
 
 

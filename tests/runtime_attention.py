@@ -1,34 +1,17 @@
 """Run by the CPU runtime's Python with a patched vendor root first on sys.path (see test_preflight.py): the
 patched vLLM attention functions, called with vLLM's own metadata and paged-cache layout, against dense attention.
 
-xFormers is not on a CPU: a stand-in module is put in sys.modules (from outside the tree) whose attention raises,
-so a call that does not take the native fast path says so. Prints one JSON object.
+The vendor's GPU libraries (ixformer, xformers) are the runtime's stand-ins (toolkit.runtime.standins, put on the path
+by the test): importable, and a call raises naming the library and the caller, so a call that does not take the
+native fast path says where it went. Prints one JSON object.
 """
 
 import itertools
 import json
 import os
 import sys
-import types
 
 import torch
-
-VENDOR_PATH = "the vendor's xFormers path ran"
-
-
-def stub_xformers():
-    root, ops, fmha, bias = (types.ModuleType(n) for n in ("xformers", "xformers.ops", "xformers.ops.fmha",
-                                                           "xformers.ops.fmha.attn_bias"))
-    for name in ("AttentionBias", "BlockDiagonalCausalMask", "BlockDiagonalMask", "LowerTriangularMaskWithTensorBias"):
-        setattr(bias, name, type(name, (), {"from_seqlens": classmethod(lambda cls, *a, **k: cls())}))
-
-    def vendor(*args, **kwargs):
-        raise RuntimeError(VENDOR_PATH)
-
-    ops.memory_efficient_attention_forward = vendor
-    root.ops, ops.fmha, fmha.attn_bias = ops, fmha, bias
-    sys.modules.update({"xformers": root, "xformers.ops": ops, "xformers.ops.fmha": fmha,
-                        "xformers.ops.fmha.attn_bias": bias})
 
 
 def dense(q, k, v, context_k=None, context_v=None):
@@ -69,8 +52,8 @@ def sdpa_fallback(results):
         try:
             got = impl._run_memory_efficient_xformers_forward(q, k, v, meta, AttentionType.DECODER)
             results[f"sdpa_fallback_{switch}"] = {"max_abs_diff": float((got.double() - want).abs().max())}
-        except RuntimeError as exc:
-            results[f"sdpa_fallback_{switch}"] = {"error": str(exc)}
+        except RuntimeError as exc:  # the stand-ins' StandInCalled
+            results[f"sdpa_fallback_{switch}"] = {"error": str(exc), "type": type(exc).__name__}
 
 
 def prefix(results):
@@ -105,7 +88,6 @@ def prefix(results):
 
 
 def main():
-    stub_xformers()
     results = {}
     sdpa_fallback(results)
     prefix(results)

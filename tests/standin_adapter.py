@@ -4,8 +4,9 @@ The adapter is third-party code and never committed; the tests need one with its
 one into a git repository: the same file names, folders and destinations (../shared/ADAPTER.md section 1), the
 same function and class names and signatures the recipe edits and dispatches into, and the anchors of each edit.
 Its qwen3_5.py is written in the adapter's plain style (per-expert loop, token-by-token recurrence) and imports
-only torch. Its nine whole-file replacements are derived from the public vLLM 0.6.3.post1 files with the few
-changes listed in REPLACEMENTS; like the real adapter, some files are stored with CRLF line endings.
+only torch. Its nine whole-file replacements are derived from the public vLLM 0.6.3 files (the vendor's true
+base: six of the nine real ones are byte-identical to them) with the few changes listed in REPLACEMENTS; like
+the real adapter, some files are stored with CRLF line endings.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def test_a_typo_in_scope_stops_the_build_before_anything_is_written(cli, tmp_pat
     assert all("EngineArgs.create_model_config" in r["message"] for r in drifted)  # the nearest name that exists
     assert any("nothing was written" in n for n in report["notes"])
     human = cli("build", recipe, "-o", out)
-    assert human.code == 1 and "DRIFTED" in human.out and "CoreX-like tree of vllm==0.6.3.post1" in human.out
+    assert human.code == 1 and "DRIFTED" in human.out and "CoreX-like tree of vllm==0.6.3" in human.out
 
 
 def test_build_on_real_roots_refuses_their_drift(cli, corex_rootfs: Path, tmp_path: Path) -> None:
@@ -70,7 +70,8 @@ def test_build_reports_what_it_wrote_and_the_lint_warnings(cli, tmp_path: Path) 
     # lint warnings are in the report, not only in `toolkit lint`
     warnings = {(i["rule"], i["severity"]) for i in report["issues"]}
     lint = cli("lint", FLAGSHIP, "--json").json()
-    assert warnings == {(i["rule"], i["severity"]) for i in lint["issues"]}
+    # and, since no test reaches GitHub (conftest), the adapter is left to the image build: check says so loudly
+    assert warnings == {(i["rule"], i["severity"]) for i in lint["issues"]} | {("source-fetch", "warning")}
     assert warnings, "the flagship has lint warnings today; an empty list here would hide them"
 
 

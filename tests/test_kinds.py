@@ -227,7 +227,7 @@ def test_crlf_targets_keep_their_line_endings(cli, case: Case, tree: Path, tmp_p
     recipe = write_recipe(tmp_path, [_spec(case)], kind_patches)
     for root in roots_of(tree):
         path = root / case.spec["file"]
-        path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+        path.write_bytes(path.read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
     code, report, _ = _run(cli, recipe, tree)
     assert code == 0, report
     for root in roots_of(tree):

@@ -14,7 +14,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
                 "toolkit.markers")),
     ("transforms", ("toolkit.transforms",)),
     ("recipe", ("toolkit.recipe", "toolkit.variants")),
-    ("sources", ("toolkit.inputs", "toolkit.corexlike", "toolkit.pinned", "toolkit.pyenv")),
+    ("sources", ("toolkit.inputs", "toolkit.corexlike", "toolkit.pinned", "toolkit.pyenv", "toolkit.compare")),
     ("engine", ("toolkit.engine", "toolkit.startup", "toolkit.trial")),
     ("lint", ("toolkit.lint",)),
     ("submission", ("toolkit.submission",)),

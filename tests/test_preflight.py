@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO, roots_of
+from conftest import FLAGSHIP, REPO, roots_of, transformers_site, tree_digest
 
+from toolkit.recipe import load_recipe
+from toolkit.runtime import standins
 from toolkit.runtime.env import runtime
 
 VENDOR_MESSAGE = "max_num_batched_tokens (8192) is smaller than max_model_len (245000)"
@@ -36,13 +38,23 @@ def recipe_copy(tmp_path: Path, edit: Any) -> Path:
     return path
 
 
-def run_on_patched_tree(cli: Any, python: Path, rootfs: Path, flagship_args: list[str], script: str) -> Any:
-    """Apply the flagship, then run a tests/ script in the runtime with the patched root first: its JSON."""
+def runtime_env(tmp_path: Path, *paths: Path) -> dict[str, str]:
+    """The environment a script runs in on the CPU runtime: the patched tree first, the flagship's GPU libraries
+    stood in (as preflight does), and a record of what was stood in and called written at exit."""
+    libraries = load_recipe(FLAGSHIP).recipe.base_image.gpu_libraries
+    return dict(os.environ, **standins.environment(tmp_path / "standins", libraries, paths),
+                TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "standins.json"))
+
+
+def run_on_patched_tree(cli: Any, python: Path, rootfs: Path, flagship_args: list[str], script: str,
+                        tmp_path: Path) -> tuple[Any, dict[str, Any]]:
+    """Apply the flagship, then run a tests/ script in the runtime with the patched root first: its JSON, and the
+    stand-ins' record."""
     assert cli("apply", FLAGSHIP, "--rootfs", rootfs, *flagship_args).code == 0
-    env = dict(os.environ, PYTHONPATH=str(roots_of(rootfs)[1]))
+    env = runtime_env(tmp_path, roots_of(rootfs)[1])
     proc = subprocess.run([str(python), str(REPO / "tests" / script)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return json.loads(proc.stdout), json.loads((tmp_path / "standins.json").read_text())
 
 
 def by_variant(result: Any) -> dict[str, dict[str, Any]]:
@@ -142,7 +154,7 @@ def test_the_vendor_refuses_an_unknown_flag_and_parser(cli, python: Path, standi
 
 
 def test_openai_requests_accept_unknown_fields_only_when_patched(cli, python: Path, corex_rootfs: Path,
-                                                               flagship_args: list[str], vllm_063: Path) -> None:
+                                                               flagship_args: list[str], tmp_path: Path) -> None:
     """The patched ChatCompletionRequest accepts a newer client's fields; the vendor's rejects them."""
     code = ("import json, sys\nfrom vllm.entrypoints.openai.protocol import ChatCompletionRequest\n"
             "body = {'model': 'llm', 'messages': [{'role': 'user', 'content': 'hi'}], 'reasoning_effort': 'low'}\n"
@@ -152,7 +164,7 @@ def test_openai_requests_accept_unknown_fields_only_when_patched(cli, python: Pa
               "if n == 'vllm' else r(n)\n"
 
     def run(root: Path) -> str:
-        env = dict(os.environ, PYTHONPATH=str(root))
+        env = runtime_env(tmp_path, root)
         proc = subprocess.run([str(python), "-c", version + code], capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout.strip().splitlines()[-1]
@@ -216,23 +228,84 @@ def test_prior_art_in_the_vendor_code(cli, python: Path, name: str) -> None:
 
 
 def test_attention_patches_with_vllms_own_metadata(cli, python: Path, corex_rootfs: Path,
-                                                  flagship_args: list[str]) -> None:
+                                                  flagship_args: list[str], tmp_path: Path) -> None:
     """The head_dim-256 SDPA fallback and the prefix dispatch, called as vLLM calls them (its XFormersMetadata,
     its paged-cache shape and views, non-contiguous blocks), return what dense attention returns."""
-    got = run_on_patched_tree(cli, python, corex_rootfs, flagship_args, "runtime_attention.py")
+    got, record = run_on_patched_tree(cli, python, corex_rootfs, flagship_args, "runtime_attention.py", tmp_path)
     assert got["sdpa_fallback_1"]["max_abs_diff"] < 1e-5
-    assert got["sdpa_fallback_0"] == {"error": "the vendor's xFormers path ran"}  # switch off: not the fast path
+    # switch off: the vendor's path runs, and its first call into ixformer's xFormers says what and where
+    off = got["sdpa_fallback_0"]
+    assert off["type"] == "StandInCalled", off
+    assert off["error"].startswith("ixformer.contrib.xformers.ops.fmha.attn_bias.BlockDiagonalCausalMask"), off
+    assert "called from vllm/attention/backends/xformers.py:" in off["error"], off
     assert got["prefix"]["max_abs_diff"] < 1e-5
+    assert {"ixformer.contrib.xformers", "xformers.ops.fmha.attn_bias"} <= set(record["modules"])
+    assert [c["where"].split(":")[0] for c in record["calls"]] == ["vllm/attention/backends/xformers.py"]
 
 
 def test_adapter_blocks_with_vllms_layers_switch_by_switch(cli, python: Path, corex_rootfs: Path,
-                                                         flagship_args: list[str]) -> None:
+                                                         flagship_args: list[str], tmp_path: Path) -> None:
     """The stand-in adapter's MoE block with its experts held and loaded by vLLM's FusedMoE, its gated norm loaded
     by vLLM's loader, its GatedDeltaNet rule prefill then decode: each switch off and on gives the same outputs,
-    and with it on the native path is what ran."""
-    got = run_on_patched_tree(cli, python, corex_rootfs, flagship_args, "runtime_adapter.py")
+    and with it on the native path is what ran. vLLM's linear layer runs too: its forward calls ixformer's linear in
+    the vendor tree, which the stand-in maps to torch's (and records)."""
+    got, record = run_on_patched_tree(cli, python, corex_rootfs, flagship_args, "runtime_adapter.py", tmp_path)
+    linear = got.pop("LINEAR")
+    assert linear["max_abs_diff"] < 1e-5 and linear["smallest_output"] > 1e-3, linear
+    mapped = [c for c in record["calls"] if c["name"] == "ixformer.functions.linear"]
+    assert mapped and mapped[0]["mapped"] == "torch.nn.functional:linear", record["calls"]
+    assert mapped[0]["where"].startswith("vllm/model_executor/layers/linear.py:"), mapped
     assert sorted(got) == ["CHUNK_PARALLEL", "MOE_NATIVE", "RMSNORM_NATIVE"]
     for switch, result in got.items():
         assert result["smallest_output"] > 1e-3, switch  # not an all-zero output compared with itself
         assert result["max_abs_diff"] < 1e-4, (switch, result)
         assert result["native_ran_when_on"] and not result["native_ran_when_off"], (switch, result)
+
+
+def test_real_roots_build_and_preflight_with_the_adapters_own_files(cli, python: Path, corex_rootfs: Path,
+                                                                   adapter_args: list[str], transformers_455: Path,
+                                                                   tmp_path: Path) -> None:
+    """The vendor roots of an image (here the CoreX-like rootfs, as `vendor pull` lays it out, with its GPU-library
+    imports): `build --rootfs` preflights an applied copy and leaves the roots alone; `preflight --rootfs` runs the
+    applied roots; `build --source` without --rootfs runs the adapter's files on the reference."""
+    site = transformers_site(corex_rootfs, transformers_455, full=True)
+    args = [*adapter_args, "--package-root", f"transformers={site}"]
+    before = tree_digest(corex_rootfs)
+    result = cli("build", FLAGSHIP, "-o", tmp_path / "sub", "--rootfs", corex_rootfs, *args, "--json")
+    assert result.code == 0, result.out[-3000:] + result.err[-3000:]
+    said = [n for n in result.json()["notes"] if n.startswith("preflight: 1 variant(s) start")]
+    assert len(said) == 1 and f"on a patched copy of the vendor roots under {corex_rootfs}" in said[0], said
+    assert "not checked here" not in said[0]  # the adapter is here: its flag, parsers and model were checked
+    assert tree_digest(corex_rootfs) == before
+
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *args).code == 0
+    result = cli("preflight", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
+    assert result.code == 0, result.out[-3000:] + result.err[-3000:]
+    base = stages(by_variant(result)["base"])
+    assert all(s["ok"] for s in base.values()), base
+    assert base["architecture"]["message"].endswith("vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM")
+    assert base["reasoning-parser"]["ok"] and base["tool-parser"]["ok"]
+    notes = result.json()["notes"]
+    assert any(n.startswith("stood in for the image's GPU libraries (ixformer, xformers)") for n in notes), notes
+
+    result = cli("build", FLAGSHIP, "-o", tmp_path / "sub2", *adapter_args, "--json")
+    assert result.code == 0, result.out[-3000:]
+    said = [n for n in result.json()["notes"] if n.startswith("preflight: 1 variant(s) start")]
+    assert len(said) == 1 and "on a patched copy of vllm==0.6.3 (CoreX-like)" in said[0], said
+    assert "not checked here" not in said[0]
+
+
+def test_a_failure_on_the_reference_says_it_is_not_the_image(cli, python: Path, vllm_063: Path,
+                                                              tmp_path: Path) -> None:
+    """A vendor tree the reference cannot import (here: the adapter's replacement written for another vLLM)
+    fails naming the file, and says it ran on the reference, not on the image's files."""
+    from standin_adapter import add_commit, make_repo
+
+    clone, _ = make_repo(tmp_path, vllm_063)  # its own: the session's stand-in keeps its history
+    later = add_commit(clone, "sequence.py", "from vllm.inputs import NotInThisRelease  # noqa\n",
+                       "sequence.py for another vLLM")
+    result = cli("preflight", FLAGSHIP, "--source", f"qwen36-adapter={clone}@{later}", "--json")
+    assert result.code == 2
+    error = result.json()
+    assert "vllm/sequence.py:1" in error["error"] and "NotInThisRelease" in error["error"], error
+    assert "not on the image's own files" in error["fix"] and "toolkit vendor pull" in error["fix"], error

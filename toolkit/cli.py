@@ -29,7 +29,7 @@ from toolkit.inputs import (
 )
 from toolkit.lint import lint
 from toolkit.pinned import parse_source_override, resolve_pinned
-from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
+from toolkit.recipe import LoadedRecipe, Recipe, json_schema, load_recipe
 from toolkit.report import emit
 from toolkit.results import Report, Severity, State
 from toolkit.submission.build import build as build_submission
@@ -93,13 +93,15 @@ class Progress:
 PROGRESS = Progress()
 
 
-def _pinned(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[LoadedRecipe, dict[str, Path]]:
-    """The declared sources available here, and the recipe with any `--source NAME=PATH@COMMIT` pin applied."""
+def _pinned(loaded: LoadedRecipe, args: argparse.Namespace,
+            fetch: bool = False) -> tuple[LoadedRecipe, dict[str, Path]]:
+    """The declared sources available here (fetch: cloned by this host where the recipe says so, as `build` does),
+    and the recipe with any `--source NAME=PATH@COMMIT` pin applied."""
     overrides: dict[str, tuple[str, str | None]] = {}
     for item in getattr(args, "source", None) or []:
         name, path, rev = parse_source_override(item)
         overrides[name] = (path, rev)
-    pinned, commits = resolve_pinned(loaded.recipe, loaded.path.parent, overrides)
+    pinned, commits = resolve_pinned(loaded.recipe, loaded.path.parent, overrides, fetch=fetch)
     pins = {s.name: s.commit for s in loaded.recipe.sources}
     moved = {name: sha for name, sha in commits.items() if pins[name] != sha}
     for name, sha in moved.items():
@@ -254,8 +256,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     previous = check_outdir(outdir, loaded, args.force)  # before anything slow: a refused OUTDIR is said at once
     PROGRESS.untouched = (f"{outdir} was left as it was" + (f" (the previous submission, commit {previous[:12]})"
                           if previous else "") + "; the half-written tree beside it was removed")
-    loaded, pinned = _pinned(loaded, args)
-    trial = try_recipe(loaded, pinned, Path(args.rootfs) if args.rootfs else None)
+    loaded, pinned = _pinned(loaded, args, fetch=True)
+    trial = try_recipe(loaded, pinned, Path(args.rootfs) if args.rootfs else None, _package_root_args(args))
     if not trial.ok:
         # the platform's docker build shows no log: a transform that cannot apply must stop the build here
         report = Report("build", str(loaded.path), trial.results, notes=(
@@ -292,9 +294,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     notes.extend(trial.notes)
     for source in used_sources(loaded.recipe):
         bundled = (outdir / "toolkit_payload" / "sources" / source.name).is_dir()
-        notes.append(f"adapter source {source.name}: " + (f"bundled at {source.commit}" if bundled else
-                     f"NOT bundled; the image build clones {source.git} and checks out {source.commit} "
-                     f"(needs git and network in the builder; --source {source.name}=PATH bundles it)"))
+        notes.append(f"adapter source {source.name}: " + (
+            f"bundled at {source.commit} (the image build needs no git and no network for it)" if bundled else
+            f"NOT BUNDLED: THE IMAGE BUILD MUST CLONE {source.git} at {source.commit}, so the platform's builder "
+            f"needs git and network (it may have neither, and shows no log); "
+            + ("sources[].fetch is image" if source.fetch == "image" else "this host could not reach it")
+            + f"; --source {source.name}=PATH bundles it"))
     if args.push:
         push_submission(outdir, args.push, branches)
         notes.append(f"pushed {', '.join(branches)} to {args.push}")
@@ -320,7 +325,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     closing = (next_step + f"; `toolkit check {outdir}` checks it again at any time",) if verified.ok else (
         "next: fix the findings above (the submission would not build or start), then build again",)
     report = Report("build", str(loaded.path), findings=verified.findings, notes=(*notes, *verified.notes, *closing),
-                    issues=warnings, columns=("variant", "status", "detail") if rows else (), rows=tuple(rows),
+                    issues=(*verified.issues, *warnings), columns=("variant", "status", "detail") if rows else (),
+                    rows=tuple(rows),
                     extra={"outdir": str(outdir), "commit": built.commit, "tree": built.tree,
                            "branches": branches, "files_by_kind": kinds, "server_command": command,
                            "trial": {"where": trial.where, "untried": dict(trial.untried)}, **extra})
@@ -338,6 +344,82 @@ def cmd_vendor_pull(args: argparse.Namespace) -> int:
     roots = vendor_pull(loaded, out, args.image)
     report = Report("vendor pull", str(loaded.path), notes=(f"{len(roots)} root(s) extracted into {out}: "
                                                           + ", ".join(roots),), extra={"roots": roots})
+    emit(report, as_json=args.json)
+    return EXIT_OK
+
+
+def _vendor_libraries(recipe: Recipe, imported: list[str], notes: list[str]) -> tuple[list[str], list[str]]:
+    """Of the modules the vendor tree imports and no candidate does, those the CPU runtime lacks are the vendor's
+    libraries (when the runtime is built; else all of them), and which of those the recipe does not declare."""
+    from toolkit.pyenv import importable
+    from toolkit.runtime.env import built
+
+    if not imported:
+        return [], []
+    python = built()
+    installed = {m for m, ok in importable(python, imported).items() if ok} if python else set()
+    libraries = [m for m in imported if m not in installed]
+    undeclared = [m for m in libraries if m not in recipe.base_image.gpu_libraries]
+    said = f"the vendor tree imports modules no candidate imports: {', '.join(imported)}"
+    if installed:
+        said += f" ({', '.join(sorted(installed))} installed in the CPU runtime)"
+    elif python is None:
+        said += " (no CPU runtime here to tell installed packages from the vendor's libraries)"
+    if undeclared:
+        said += (f"; not in base_image.gpu_libraries: {', '.join(undeclared)}: add the GPU-only ones there, or "
+                 "preflight cannot import the tree")
+    elif libraries:
+        said += f"; the vendor's libraries {', '.join(libraries)} are declared in base_image.gpu_libraries"
+    notes.append(said)
+    return libraries, undeclared
+
+
+def cmd_vendor_compare(args: argparse.Namespace) -> int:
+    from toolkit.compare import compare, neighbours, package_dir
+
+    loaded = load_recipe(args.recipe)
+    recipe = loaded.recipe
+    if bool(args.rootfs) == bool(args.root):
+        raise ToolkitError("give the vendor tree as --rootfs DIR or as --root DIR",
+                           hint="--rootfs: a folder laid out like the image (what `toolkit vendor pull` wrote); "
+                           f"--root: a folder holding {recipe.vendor.package}/, or {recipe.vendor.package}/ itself")
+    if args.rootfs:
+        vendor = package_dir(rootfs_roots(recipe, Path(args.rootfs))[0].path, recipe.vendor.package)
+    else:
+        vendor = package_dir(Path(args.root), recipe.vendor.package)
+    specs = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else \
+        neighbours(recipe.vendor.reference)
+    result = compare(vendor, recipe.vendor.package, specs, recipe.base_image.python, recipe.base_image.platform,
+                     guessed=not args.candidates)
+    closest = result.closest
+    rows = tuple((c.spec, str(c.identical), str(len(c.differing)), str(c.diff_lines), str(len(c.only_vendor)),
+                  str(len(c.only_upstream)), "closest" if c is closest else "") for c in result.candidates)
+    notes = [f"{vendor} is closest to {closest.spec}: {closest.identical} file(s) identical, {len(closest.differing)} "
+             f"differ ({closest.diff_lines} diff lines), {len(closest.only_vendor)} only in the vendor tree, "
+             f"{len(closest.only_upstream)} only upstream (Python files, line endings normalised)"]
+    line = loaded.line_of("vendor", "reference")
+    if closest.spec != recipe.vendor.reference:
+        notes.append(f"vendor.reference ({loaded.path}:{line}) is {recipe.vendor.reference}, not the closest: set it "
+                     f"to {closest.spec} so the trial and preflight run on the vendor's true base")
+    else:
+        notes.append(f"vendor.reference ({loaded.path}:{line}) is the closest candidate")
+    libraries, undeclared = _vendor_libraries(recipe, result.vendor_libraries(), notes)
+    shown = sorted(closest.differing, key=lambda d: -d.diff_lines)
+    for d in shown[:args.top]:
+        notes.append(f"differs from {closest.spec}: {d.file} ({d.diff_lines} diff lines"
+                     + (f"; imports {', '.join(d.vendor_imports)}" if d.vendor_imports else "") + ")")
+    if len(shown) > args.top:
+        notes.append(f"... and {len(shown) - args.top} more differing file(s) (--top N, or --json for all)")
+    for d in closest.only_vendor:
+        notes.append(f"only in the vendor tree: {d.file}"
+                     + (f" (imports {', '.join(d.vendor_imports)})" if d.vendor_imports else ""))
+    notes.extend(f"candidate {spec} not compared: {why}" for spec, why in result.missing)
+    report = Report("vendor compare", str(loaded.path), notes=tuple(notes), rows=rows,
+                    columns=("candidate", "identical", "differing", "diff lines", "only vendor", "only upstream", ""),
+                    extra={"vendor": str(vendor), "closest": closest.spec, "vendor_libraries": libraries,
+                           "undeclared_gpu_libraries": undeclared,
+                           "candidates": [c.as_json() for c in result.candidates],
+                           "not_compared": [{"candidate": s, "why": w} for s, w in result.missing]})
     emit(report, as_json=args.json)
     return EXIT_OK
 
@@ -376,7 +458,8 @@ def cmd_lint(args: argparse.Namespace) -> int:
     recipe = loaded.recipe
     if args.variant:
         recipe = find_variant(recipe, args.variant).apply(recipe)
-    result = lint(loaded, recipe, variant=args.variant, rootfs=Path(args.rootfs) if args.rootfs else None)
+    result = lint(loaded, recipe, variant=args.variant, rootfs=Path(args.rootfs) if args.rootfs else None,
+                  compare_base=bool(args.rootfs))
     issues = tuple(i for i in result.issues if args.verbose or i.severity is not Severity.INFO or i.rule == "kv-cache")
     report = Report("lint", str(loaded.path), issues=issues, extra=result.data)
     emit(report, as_json=args.json)
@@ -423,9 +506,6 @@ def _build_preflight(loaded: LoadedRecipe, pinned: dict[str, Path],
     if python is None:
         return ["preflight not run: no CPU runtime here yet (`toolkit preflight RECIPE` builds it once, about a "
                 "minute; later builds then run the variants through the vendor's own code)"], None
-    if args.rootfs:
-        return ["preflight not run by build with --rootfs: run `toolkit preflight RECIPE --rootfs DIR` on the "
-                "applied roots"], None
     variants = _one_or_all_variants(loaded, args)
     # what lint refuses is refused by the build with lint's message; preflight checks what would be written
     variants = [v for v in variants if not [i for i in lint(loaded, v.apply(loaded.recipe), variant=v.name).issues
@@ -433,12 +513,16 @@ def _build_preflight(loaded: LoadedRecipe, pinned: dict[str, Path],
     if not variants:
         return [], None
     started = time.monotonic()
-    outcomes, cached = preflight.cached_run(loaded, variants, pinned, python)
+    rootfs = Path(args.rootfs) if args.rootfs else None
+    outcomes, cached = preflight.cached_run(loaded, variants, pinned, python, rootfs, _package_root_args(args))
     how = "remembered from an earlier run" if cached else f"{time.monotonic() - started:.1f} s"
     if all(o.starts for o in outcomes):
         unchecked = sorted({n for o in outcomes for n in o.not_checked})
         left = f"; not checked here, left to the in-image step: {'; '.join(unchecked)}" if unchecked else ""
-        said = f"preflight: {len(outcomes)} variant(s) start in the patched vLLM's own config code ({how}){left}"
+        where = f"a patched copy of the vendor roots under {rootfs}" if rootfs else \
+            f"a patched copy of {loaded.recipe.vendor.reference} (CoreX-like)"
+        said = (f"preflight: {len(outcomes)} variant(s) start in the patched vLLM's own config code, on {where} "
+                f"({how}){left}")
         return [said], None
     report = preflight.report(loaded, outcomes, f"preflight before writing ({how})")
     return [], dataclasses.replace(report, verb="build", notes=(*report.notes, "nothing was written"))
@@ -454,7 +538,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
         if args.rootfs:
-            tree = preflight.given_tree(loaded, Path(args.rootfs), _package_root_args(args))
+            tree = preflight.given_tree(loaded, Path(args.rootfs), _package_root_args(args), Path(tmp))
         else:
             tree = preflight.patched_copy(loaded, pinned, Path(tmp))
         print(f"preflight: {len(variants)} variant(s) through the vendor's own code in {tree.where}",
@@ -668,7 +752,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_build)
 
-    p = sub.add_parser("vendor", help="`vendor pull`: extract the recipe's vendor roots from the base image")
+    p = sub.add_parser("vendor", help="`vendor pull`: extract the recipe's vendor roots from the base image; "
+                       "`vendor compare`: which public release a vendor tree is built on")
     vendor_sub = p.add_subparsers(dest="vendor_verb", required=True, metavar="ACTION")
     pull = vendor_sub.add_parser("pull", help="extract the vendor roots into a rootfs folder for apply/diff/verify")
     pull.add_argument("recipe", help="the recipe YAML")
@@ -676,6 +761,23 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--image", metavar="TAG", help="pull from this image instead of the recipe's base image")
     pull.add_argument("--json", action="store_true", help="print the report as JSON")
     pull.set_defaults(func=cmd_vendor_pull)
+    cmp_ = vendor_sub.add_parser(
+        "compare", help="which public release a vendor tree is built on: files identical, differing, only on "
+        "one side, per candidate; and the vendor's own libraries it imports",
+        description="Compare a vendor tree (--rootfs: the recipe's first vendor root, as `vendor pull` writes it; "
+        "--root: a folder holding the package, or the package folder itself, e.g. a copy of the image's vllm/) "
+        "with candidate releases fetched by pip (cached). Python files are compared with line endings normalised. "
+        "The closest candidate has the most identical files; vendor.reference should be it.",
+        epilog="example:\n  toolkit vendor compare recipes/bi100-qwen36.yaml --root ./corex-vllm "
+        "--candidates vllm==0.6.2,vllm==0.6.3,vllm==0.6.3.post1", formatter_class=argparse.RawDescriptionHelpFormatter)
+    cmp_.add_argument("recipe", help="the recipe YAML (its vendor package, reference, python and platform)")
+    cmp_.add_argument("--rootfs", metavar="DIR", help="a folder laid out like the image")
+    cmp_.add_argument("--root", metavar="DIR", help="a folder holding the vendor package, or the package itself")
+    cmp_.add_argument("--candidates", metavar="SPEC,...", help="releases to compare with (default: the recipe's "
+                      "vendor.reference, the patch release before it and its .post1)")
+    cmp_.add_argument("--top", type=int, default=12, metavar="N", help="differing files listed (largest first)")
+    cmp_.add_argument("--json", action="store_true", help="print the report as JSON")
+    cmp_.set_defaults(func=cmd_vendor_compare)
 
     p = sub.add_parser("verify", help="check patched vendor roots (RECIPE --rootfs DIR): markers, post-states, "
                        "line endings, startup checks")

@@ -1,10 +1,14 @@
 """A CoreX-like vendor tree made from a public vLLM release: what the build's trial, the tests and the benchmarks
 apply recipes to when the vendor image is not at hand.
 
-The vendor image cannot be fetched here, so its documented differences (DESIGN.md section 3) are rebuilt
-on top of the upstream files. The edits are plain text
-replacements on purpose: they stand in for the vendor's own hand edits, and each one
-checks that it matched exactly once so a changed upstream release fails loudly here.
+The vendor image cannot be fetched here, so its documented differences (DESIGN.md section 3, measured on a copy
+of the image's tree) are rebuilt on top of its true base, vLLM 0.6.3: the hard-coded flags, the paged attention
+and API-server edits, the registry entries, the module-level imports of the vendor's GPU libraries (ixformer,
+xformers) in the six modules that have them, the model files CoreX adds, no `vllm_flash_attn/`, and CRLF line
+endings as in the copies people work from. The edits are plain text replacements on purpose: they stand in for
+the vendor's own hand edits, and each one checks its match count so a changed upstream release fails loudly here.
+With them, the nine files the adapter replaces carry exactly the real image's digests (../shared/ADAPTER.md
+section 7; `tests/test_corexlike.py` holds them to it).
 """
 
 from __future__ import annotations
@@ -13,50 +17,120 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 COREX_VERSION = "0.6.3+corex.3.2.3"
+COREX_BASE = "vllm==0.6.3"  # the vendor's true base release (DESIGN.md section 3)
 COREX_ROOTS = (
     "/usr/local/corex/lib/python3/dist-packages",
     "/usr/local/corex/lib64/python3/dist-packages",
 )
+# the image's GPU-only libraries the tree imports at module level (what base_image.gpu_libraries declares)
+GPU_LIBRARIES = ("ixformer", "xformers")
 
-# (file, pattern, replacement): the vendor changes of DESIGN.md section 3, on vLLM 0.6.3.post1
-VENDOR_EDITS: tuple[tuple[str, str, str], ...] = (
-    ("vllm/engine/arg_utils.py", r"enforce_eager=self\.enforce_eager,", "enforce_eager=True,"),
-    ("vllm/engine/arg_utils.py", r"disable_custom_all_reduce=self\.disable_custom_all_reduce,",
-     "disable_custom_all_reduce=True,"),
-    ("vllm/attention/ops/paged_attn.py",
-     r"(\n(\s+)use_v1 = \(max_seq_len <= 8192\n\s+and \(max_num_partitions == 1 or num_seqs \* num_heads > 512\)\)\n)",
-     r"\1\2use_v1 = True\n"),
-    ("vllm/triton_utils/importing.py", r"HAS_TRITON = find_spec\(\"triton\"\) is not None", "HAS_TRITON = False"),
-    ("vllm/model_executor/models/registry.py",
-     r'(\n(\s+)"Qwen2MoeForCausalLM": \("qwen2_moe", "Qwen2MoeForCausalLM"\),\n)',
-     r'\1\2"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),\n'
-     r'\2"Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),\n'),
-    ("vllm/attention/backends/xformers.py",
-     r"(out = xops\.memory_efficient_attention_forward\(\n(\s+)query,\n\s+key,\n\s+value,\n"
-     r"\s+attn_bias=attn_bias\[0\],\n\s+p=0\.0,\n\s+scale=self\.scale)\)",
-     r"\1,\n\2op=self.attn_op)"),
-    ("vllm/attention/backends/xformers.py",
-     r"(\n(\s+)self\.kv_cache_dtype = kv_cache_dtype\n)",
-     r"\1\2self.attn_op = None  # ixformer flash op (CoreX)\n"),
+
+class VendorEdit(NamedTuple):
+    file: str
+    pattern: str
+    replacement: str
+    matches: int = 1  # how many times the pattern must match in the upstream file
+
+
+# the vendor changes of DESIGN.md section 3, on vLLM 0.6.3
+VENDOR_EDITS: tuple[VendorEdit, ...] = (
+    VendorEdit("vllm/engine/arg_utils.py", r"enforce_eager=self\.enforce_eager,", "enforce_eager=True,"),
+    VendorEdit("vllm/engine/arg_utils.py", r"disable_custom_all_reduce=self\.disable_custom_all_reduce,",
+               "disable_custom_all_reduce=True,"),
+    # the blank line after the V1/V2 heuristic becomes a forced V1
+    VendorEdit("vllm/attention/ops/paged_attn.py",
+               r"(\n(\s+)use_v1 = \(max_seq_len <= 8192\n\s+and \(max_num_partitions == 1 or num_seqs \* num_heads "
+               r"> 512\)\)\n)\n", r"\1\2use_v1 = True\n"),
+    # ixformer's paged_attention_v1 takes no kv_cache_dtype ... blocksparse_head_sliding_step
+    VendorEdit("vllm/attention/ops/paged_attn.py",
+               r"(ops\.paged_attention_v1\((?:\n\s+\w+,){11})(?:\n\s+\w+,){8}", r"\1"),
+    VendorEdit("vllm/triton_utils/importing.py", r"HAS_TRITON = find_spec\(\"triton\"\) is not None",
+               "HAS_TRITON = False"),
+    VendorEdit("vllm/model_executor/models/registry.py",
+               r'(\n(\s+)"Qwen2MoeForCausalLM": \("qwen2_moe", "Qwen2MoeForCausalLM"\),\n)',
+               r'\1\2"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),\n'
+               r'\2"Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),\n'),
+    VendorEdit("vllm/attention/backends/xformers.py",
+               r"(out = xops\.memory_efficient_attention_forward\(\n(\s+)query,\n\s+key,\n\s+value,\n"
+               r"\s+attn_bias=attn_bias\[0\],\n\s+p=0\.0,\n\s+scale=self\.scale)\)",
+               r"\1,\n\2op=self.attn_op)"),
+    VendorEdit("vllm/attention/backends/xformers.py",
+               r"(\n(\s+)self\.kv_cache_dtype = kv_cache_dtype\n)",
+               r"\1\2self.attn_op = None  # ixformer flash op (CoreX)\n"),
+    VendorEdit("vllm/entrypoints/openai/api_server.py", r"\nimport re\n", r"\nimport regex as re\n"),
+    VendorEdit("vllm/entrypoints/chat_utils.py", r'if model_type == "qwen2_vl":',
+               r'if model_type in ("qwen2_vl","qwen2_5_vl"):', matches=2),
+    # the vendor's GPU libraries, imported at module level as in the image (and once inside a method)
+    VendorEdit("vllm/_custom_ops.py", r"(\nfrom vllm\.platforms import current_platform\n)",
+               r"\1import ixformer.functions as ixf_F\nfrom ixformer.distributed import _distributed as cdist\n"),
+    VendorEdit("vllm/distributed/parallel_state.py", r"(\nfrom vllm\.utils import supports_custom_op\n)",
+               r"\1from ixformer.distributed import all_reduce\nimport ixformer.distributed as ixfd\n"),
+    VendorEdit("vllm/distributed/parallel_state.py", r"(\n(\s+)self\.device_group = None\n\s+self\.cpu_group = None\n)",
+               r"\1\2from ixformer.contrib.torch.extension.ixformer_torch.distributed import "
+               r"create_ixformer_group_from_pg  # noqa\n"),
+    # the forward's F.linear is ixformer's in the image
+    VendorEdit("vllm/model_executor/layers/linear.py", r"\nimport torch\.nn\.functional as F\n",
+               r"\nimport ixformer.functions as F\n"),
+    VendorEdit("vllm/model_executor/layers/vocab_parallel_embedding.py", r"(\nimport torch\.nn\.functional as F\n)",
+               r"\1import ixformer.functions as IXF\n"),
+    VendorEdit("vllm/attention/backends/xformers.py",
+               r"\nfrom xformers import ops as xops\nfrom xformers\.ops\.fmha\.attn_bias import \(AttentionBias,\n"
+               r"\s+BlockDiagonalCausalMask,\n\s+BlockDiagonalMask,\n\s+LowerTriangularMaskWithTensorBias\)\n",
+               "\nfrom ixformer.contrib.xformers import ops as xops\n"
+               "from ixformer.contrib.xformers.ops.fmha.attn_bias import (BlockDiagonalCausalMask,\n"
+               "                                                          BlockDiagonalMask,\n"
+               "                                                          LowerTriangularMaskWithTensorBias)\n"
+               "from xformers.ops.fmha.attn_bias import (AttentionBias, )\n"),
+    VendorEdit("vllm/attention/backends/flash_attn.py",
+               r"\nfrom vllm\.vllm_flash_attn import \(flash_attn_varlen_func,\n\s+flash_attn_with_kvcache\)\n",
+               "\nfrom ixformer.contrib.vllm_flash_attn import (flash_attn_varlen_func as _flash_attn_varlen_func,\n"
+               "                                              flash_attn_with_kvcache as _flash_attn_with_kvcache)\n"
+               "flash_attn_varlen_func = _flash_attn_varlen_func\n"
+               "flash_attn_with_kvcache = _flash_attn_with_kvcache\n"),
 )
+# what CoreX ships that upstream 0.6.3 has not (stand-ins: the registry names them, nothing here imports them)
+COREX_ONLY = {
+    "vllm/model_executor/models/qwen3.py": "Qwen3ForCausalLM",
+    "vllm/model_executor/models/qwen3_moe.py": "Qwen3MoeForCausalLM",
+    "vllm/model_executor/models/glm4.py": "Glm4ForCausalLM",
+    "vllm/model_executor/models/qwen2_5_vl.py": "Qwen2_5_VLForConditionalGeneration",
+    "vllm/model_executor/layers/quantization/w8a16.py": "W8A16Config",
+}
+COREX_DROPS = ("vllm/vllm_flash_attn",)  # upstream folders the image does not have
 
 
-def corexify(tree: Path, *, only_present: bool = False) -> None:
+def corexify(tree: Path, *, only_present: bool = False, crlf: bool = True) -> None:
     """Apply the documented vendor changes to an upstream vLLM tree in place.
 
     only_present: for trees that hold a subset of vLLM's files, skip edits of absent files.
+    crlf: store every .py file with CRLF line endings, as the copies of the vendor tree are.
     """
-    for rel, pattern, replacement in VENDOR_EDITS:
-        path = tree / rel
+    for edit in VENDOR_EDITS:
+        path = tree / edit.file
         if only_present and not path.exists():
             continue
         text = path.read_text(encoding="utf-8")
-        new, count = re.subn(pattern, replacement, text)
-        if count != 1:
-            raise AssertionError(f"vendor edit on {rel} matched {count} times: {pattern!r}")
+        new, count = re.subn(edit.pattern, edit.replacement, text)
+        if count != edit.matches:
+            raise AssertionError(f"vendor edit on {edit.file} matched {count} times, not {edit.matches}: "
+                                 f"{edit.pattern!r}")
         path.write_text(new, encoding="utf-8")
+    if not only_present:
+        for rel, cls in COREX_ONLY.items():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_text(f'"""Stand-in for the CoreX-only module {rel} (the real one is the vendor\'s)."""'
+                                    f"\n\n\nclass {cls}:\n    pass\n", encoding="utf-8")
+    for rel in COREX_DROPS:
+        if (tree / rel).is_dir():
+            shutil.rmtree(tree / rel)
+    if crlf:
+        for path in (tree / "vllm").rglob("*.py"):
+            data = path.read_bytes()
+            path.write_bytes(data.replace(b"\r\n", b"\n").replace(b"\n", b"\r\n"))
     for meta in tree.glob("vllm-*.dist-info"):
         fixed = tree / f"vllm-{COREX_VERSION}.dist-info"
         meta.rename(fixed)
@@ -101,7 +175,7 @@ def make_rootfs(reference: Path, rootfs: Path, *, corex: bool = True, roots: tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m toolkit.corexlike ROOTFS`: build a CoreX-like image filesystem from vLLM 0.6.3.post1."""
+    """`python -m toolkit.corexlike ROOTFS`: build a CoreX-like image filesystem from vLLM 0.6.3."""
     import argparse
 
     from toolkit.inputs import fetch_reference
@@ -112,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         "built from the public vLLM release, for trying `toolkit apply/diff/verify` without the vendor image.",
     )
     parser.add_argument("rootfs", type=Path, help="folder to create (must not exist)")
-    parser.add_argument("--release", default="vllm==0.6.3.post1", help="upstream release to start from")
+    parser.add_argument("--release", default=COREX_BASE, help="upstream release to start from (default: the "
+                        "vendor's true base)")
     args = parser.parse_args(argv)
     if args.rootfs.exists():
         parser.error(f"{args.rootfs} exists; pick a new folder")

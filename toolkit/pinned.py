@@ -10,12 +10,14 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import git
 
 from toolkit.errors import InputError
-from toolkit.inputs import cache_dir, cached_tree
+from toolkit.inputs import COMPLETE, cache_dir, cached_tree
 from toolkit.recipe import Recipe, Source
 from toolkit.transforms.deploy import Deploy
 
@@ -110,10 +112,78 @@ def parse_source_override(item: str) -> tuple[str, str, str | None]:
     return name, rest, None
 
 
-def resolve_pinned(recipe: Recipe, recipe_dir: Path,
-                  overrides: dict[str, tuple[str, str | None]]) -> tuple[dict[str, Path], dict[str, str]]:
+GIT_TIMEOUT_S = int(os.environ.get("TOOLKIT_GIT_TIMEOUT", "300"))
+
+
+def _git(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """git without prompts (a URL that wants credentials fails instead of waiting for a person), bounded in time."""
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0", GIT_ASKPASS="true", SSH_ASKPASS="true")
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env,
+                              timeout=GIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(["git", *args], 124, "", f"no answer in {GIT_TIMEOUT_S} s "
+                                           "(TOOLKIT_GIT_TIMEOUT)")
+
+
+def mirror_path(source: Source) -> Path:
+    key = hashlib.sha256(source.git.encode()).hexdigest()[:12]
+    return cache_dir() / "git" / f"{source.name}-{key}.git"
+
+
+def _has_commit(repo: Path, commit: str) -> bool:
+    return _git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}", cwd=repo).returncode == 0
+
+
+def fetch_source(source: Source, commit: str) -> Path:
+    """A bare mirror of the source's URL in the cache holding the pinned commit: cloned once, fetched again only
+    when the commit is not in it yet (a second build does not touch the network). The commit is verified."""
+    mirror = mirror_path(source)
+    hint = (f"clone it where you can reach it and pass --source {source.name}=PATH (a bare clone is enough), or "
+            "fix sources[].git")
+    if (mirror / COMPLETE).is_file():
+        if _has_commit(mirror, commit):
+            return mirror
+        print(f"source {source.name}: fetching {source.git} into {mirror} (the pinned commit {commit[:12]} is not "
+              "in the cached mirror yet)", file=sys.stderr, flush=True)
+        # gc off: a commit a force-push left behind stays in the mirror, so the pin keeps resolving
+        proc = _git("-c", "gc.auto=0", "fetch", "--quiet", "--prune", source.git, "+refs/*:refs/*", cwd=mirror)
+        if proc.returncode != 0:
+            raise InputError(f"source {source.name}: cannot fetch {source.git}: {_last(proc.stderr)}", hint=hint)
+    else:
+        print(f"source {source.name}: cloning {source.git} into {mirror} (git, once; later builds reuse it)",
+              file=sys.stderr, flush=True)
+
+        def build(tree: Path, scratch: Path) -> None:
+            proc = _git("clone", "--quiet", "--mirror", source.git, str(tree))
+            if proc.returncode != 0:
+                raise InputError(f"source {source.name}: cannot clone {source.git}: {_last(proc.stderr)}", hint=hint)
+
+        cached_tree(mirror, build)
+    if not _has_commit(mirror, commit):
+        # some servers hand out a commit no branch or tag reaches any more (after a force-push) when asked for it
+        _git("-c", "gc.auto=0", "fetch", "--quiet", source.git, commit, cwd=mirror)
+    if not _has_commit(mirror, commit):
+        raise InputError(
+            f"source {source.name}: the pinned commit {commit} is not in {source.git}: no branch or tag reaches it "
+            "(a force-push or a wrong pin) and the server does not hand it out by its id",
+            hint=f"correct sources[].commit, or pass --source {source.name}=PATH with a clone that still has it")
+    return mirror
+
+
+def _last(text: str) -> str:
+    """git's own reason: its last fatal: or error: line (what follows is advice), else its last line."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    said = [ln for ln in lines if ln.startswith(("fatal:", "error:"))]
+    return (said or lines or ["no message"])[-1]
+
+
+def resolve_pinned(recipe: Recipe, recipe_dir: Path, overrides: dict[str, tuple[str, str | None]],
+                   fetch: bool = False) -> tuple[dict[str, Path], dict[str, str]]:
     """Each declared source with a local clone, its used files exported at the pinned (or overriding) commit.
 
+    fetch: sources with no local clone whose `fetch` is not `image` are cloned by this host into the cache
+    (`toolkit build`); one the host cannot reach is an error, or, for `host-or-image`, left to the image build.
     Returns the checkouts and the commits actually exported, by source name.
     """
     unknown = sorted(set(overrides) - {s.name for s in recipe.sources})
@@ -126,7 +196,20 @@ def resolve_pinned(recipe: Recipe, recipe_dir: Path,
         local, rev = overrides.get(source.name, (source.path, None))
         if local:
             checkout = Path(local) if Path(local).is_absolute() or source.name in overrides else recipe_dir / local
-            tree = export_source(source, checkout.resolve(), rev or source.commit, used_paths(recipe, source.name))
-            pinned[source.name] = tree
-            commits[source.name] = str(source_info(tree)["commit"])
+            checkout = checkout.resolve()
+        elif fetch and source.fetch != "image" and used_paths(recipe, source.name):
+            try:
+                checkout = fetch_source(source, source.commit)
+            except InputError as exc:
+                if source.fetch != "host-or-image":
+                    raise
+                print(f"source {source.name}: {exc.message}; sources[].fetch is host-or-image, so the IMAGE BUILD "
+                      f"will clone {source.git} (it needs git and network in the platform's builder)",
+                      file=sys.stderr, flush=True)
+                continue
+        else:
+            continue
+        tree = export_source(source, checkout, rev or source.commit, used_paths(recipe, source.name))
+        pinned[source.name] = tree
+        commits[source.name] = str(source_info(tree)["commit"])
     return pinned, commits

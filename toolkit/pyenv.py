@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -48,3 +49,15 @@ def cached_python(kind: str, name: str) -> Path | None:
     """The environment's Python when it is already built (None: building it is the caller's decision)."""
     target = cache_dir() / kind / name
     return target / "bin" / "python" if (target / COMPLETE).exists() else None
+
+
+def importable(python: Path, modules: list[str]) -> dict[str, bool]:
+    """Whether each top-level module can be found by that Python (with importlib.util.find_spec: nothing runs)."""
+    if not modules:
+        return {}
+    code = ("import importlib.util, json, sys; "
+            "print(json.dumps({m: importlib.util.find_spec(m) is not None for m in sys.argv[1:]}))")
+    proc = subprocess.run([str(python), "-c", code, *modules], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin"})
+    found = json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else {}
+    return {m: bool(found.get(m)) for m in modules}

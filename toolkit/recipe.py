@@ -41,6 +41,11 @@ class BaseImage(Strict):
     attention_backends: list[str] = Field(
         default_factory=lambda: ["XFORMERS"],
         description="Attention backends the image can load; the first is the one vLLM picks by default")
+    gpu_libraries: list[Identifier] = Field(
+        default_factory=list,
+        description="Top-level modules only the image has (its GPU libraries, e.g. ixformer, xformers) that the "
+        "vendor tree imports at module level: preflight and the CPU runtime stand them in (importable; a call "
+        "from a function raises, naming it and the caller)")
 
 
 class Vendor(Strict):
@@ -48,7 +53,8 @@ class Vendor(Strict):
     version: str = Field(description="Version specifier the vendor roots must satisfy, e.g. ==0.6.3+corex.3.2.3")
     roots: list[str] = Field(min_length=1, description="Absolute site-packages folders inside the image")
     reference: str = Field(
-        description="The public release (name==version) used to check transforms off-image, e.g. vllm==0.6.3.post1"
+        description="The public release (name==version) used to check transforms off-image: the vendor's true "
+        "base, e.g. vllm==0.6.3 (`toolkit vendor compare` finds it)"
     )
     hardcoded: dict[str, list[str]] = Field(
         default_factory=dict,
@@ -165,9 +171,10 @@ class Source(Strict):
     """A pinned upstream the recipe builds on (the model adapter), and what it is known to add.
 
     Deploys name its files as `@name/path`. With a local checkout (`path`, or `--source name=PATH`) the
-    pinned commit is exported from it and bundled into the submission; without one, the submission
-    clones the URL at image build and checks out and verifies the pinned commit (the builder needs git
-    and network), and the build says so.
+    pinned commit is exported from it and bundled into the submission; without one, `toolkit build` clones the
+    URL into its cache (once), verifies the pinned commit and bundles the same way, unless `fetch` leaves it to
+    the image build (which then clones the URL and verifies the commit: the builder needs git and network, and
+    the build, lint and check say so).
     """
 
     name: str = Field(pattern=ID_PATTERN)
@@ -176,6 +183,12 @@ class Source(Strict):
     subdir: str | None = Field(default=None, description="The folder of the repository that `@name/path` is "
                                "relative to (e.g. qwen3_6_scripts)")
     path: str | None = Field(default=None, description="Local checkout (relative to the recipe) to bundle from")
+    fetch: Literal["host", "host-or-image", "image"] = Field(
+        default="host", description="Who fetches it when no local checkout is given: `host`, `toolkit build` clones "
+        "it into its cache at the pinned commit and bundles the used files (the image build needs no git and no "
+        "network; a host that cannot reach it fails the build); `host-or-image`, the same, but a host that cannot "
+        "reach it leaves the clone to the image build; `image`, always the image build (git and network needed in "
+        "the platform's builder)")
     digests: str | None = Field(
         default=None, description="A lock file (relative to the recipe, JSON path -> sha256) of the used files at "
         "the pinned commit; the in-image step checks a fetched source against it")

@@ -93,7 +93,9 @@ def untried_here(recipe: Recipe, pinned: dict[str, Path]) -> dict[str, str]:
     return out
 
 
-def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | None = None) -> Trial:
+def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | None = None,
+               given: dict[str, str] | None = None) -> Trial:
+    """given: --package-root NAME=DIR, where a declared package is under the rootfs."""
     recipe = loaded.recipe
     untried = untried_here(recipe, pinned)
     notes: list[str] = []
@@ -111,8 +113,8 @@ def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | Non
     for package in recipe.packages:
         if not recipe.for_package(package.name):
             continue
-        if rootfs is not None and package.roots:
-            roots = package_roots(recipe, package.name, rootfs, {})
+        if rootfs is not None and (package.roots or package.name in (given or {})):
+            roots = package_roots(recipe, package.name, rootfs, given or {})
         elif package.trial_release:
             roots = [reference_root(package.trial_release, recipe.base_image.python, recipe.base_image.platform)]
         else:

@@ -38,8 +38,10 @@ class LintResult:
 
 
 def lint(loaded: LoadedRecipe, recipe: Recipe | None = None, *, variant: str | None = None,
-         rootfs: Path | None = None) -> LintResult:
-    ctx = LintContext(loaded, recipe or loaded.recipe, variant, rootfs)
+         rootfs: Path | None = None, compare_base: bool = False) -> LintResult:
+    """compare_base: with rootfs, also compare its vendor tree with vendor.reference and its neighbours (fetched by
+    pip once, cached): the `lint --rootfs` verb asks for it, verify does not."""
+    ctx = LintContext(loaded, recipe or loaded.recipe, variant, rootfs, compare_base=compare_base)
     issues: list[Issue] = []
     for info in RULES.values():
         for issue in info.check(ctx):

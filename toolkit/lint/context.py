@@ -28,6 +28,7 @@ class LintContext:
     variant: str | None = None
     rootfs: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    compare_base: bool = False  # with rootfs: compare its vendor tree with vendor.reference's neighbours
 
     # -- serve args, by their dash spelling -----------------------------------------------------
 

@@ -258,6 +258,55 @@ def provenance(ctx: LintContext) -> Iterator[Issue]:
                         ctx.loaded.line_of("transforms", index, "remove_when") or ctx.loaded.transform_line(index))
 
 
+@rule("source-fetch", W, "a source the image build clones: the platform's builder then needs git and network")
+def source_fetch(ctx: LintContext) -> Iterator[Issue]:
+    used = {t.pinned for t in ctx.recipe.transforms if t.pinned}
+    for index, source in enumerate(ctx.recipe.sources):
+        if source.name not in used or source.path:
+            continue
+        line = ctx.loaded.line_of("sources", index, "fetch") or ctx.loaded.line_of("sources", index)
+        if source.fetch == "image":
+            yield Issue("source-fetch", W, f"source {source.name}: fetch is image, so the image build clones "
+                        f"{source.git}: the platform's builder needs git and network, and shows no log when either "
+                        "is missing", "drop `fetch: image` (toolkit build then clones it here and bundles it), or "
+                        f"build with --source {source.name}=PATH", line)
+        elif source.fetch == "host-or-image":
+            yield Issue("source-fetch", INFO, f"source {source.name}: toolkit build clones {source.git} and bundles "
+                        "it; on a host that cannot reach it, the image build clones it instead (the build says so)",
+                        f"--source {source.name}=PATH always bundles it", line)
+
+
+@rule("vendor-base", W, "vendor.reference is not the public release the vendor tree is closest to")
+def vendor_base(ctx: LintContext) -> Iterator[Issue]:
+    if ctx.rootfs is None or not ctx.compare_base:
+        return
+    from toolkit.compare import compare, neighbours, package_dir
+    from toolkit.errors import ToolkitError
+    from toolkit.inputs import rootfs_roots
+
+    recipe = ctx.recipe
+    line = ctx.loaded.line_of("vendor", "reference")
+    try:
+        vendor = package_dir(rootfs_roots(recipe, ctx.rootfs)[0].path, recipe.vendor.package)
+        result = compare(vendor, recipe.vendor.package, neighbours(recipe.vendor.reference),
+                         recipe.base_image.python, recipe.base_image.platform, guessed=True)
+    except ToolkitError as exc:
+        yield Issue("vendor-base", W, f"vendor.reference not compared with {ctx.rootfs}: {exc.message}",
+                    exc.hint or "see `toolkit vendor compare`", line)
+        return
+    closest = result.closest
+    ctx.extra["vendor_base"] = {"closest": closest.spec, "candidates": {c.spec: c.identical
+                                                                       for c in result.candidates}}
+    if closest.spec != recipe.vendor.reference:
+        ours = next((c for c in result.candidates if c.spec == recipe.vendor.reference), None)
+        shown = f"{ours.identical} identical files" if ours else "not fetchable"
+        yield Issue("vendor-base", W, f"vendor.reference is {recipe.vendor.reference} ({shown}), but the vendor tree "
+                    f"in {ctx.rootfs} is closest to {closest.spec} ({closest.identical} identical files, "
+                    f"{len(closest.differing)} differing)",
+                    f"set vendor.reference to {closest.spec}: the trial and preflight then run on the vendor's true "
+                    "base (`toolkit vendor compare RECIPE --rootfs DIR` for the files)", line)
+
+
 @rule("workdir-shadow", E, "a working directory with a vllm/ folder imports the unpatched copy")
 def workdir(ctx: LintContext) -> Iterator[Issue]:
     wd = ctx.recipe.serve.workdir.rstrip("/") or "/"

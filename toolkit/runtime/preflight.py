@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from toolkit.engine.plan import Engine, run_packages
@@ -24,7 +24,9 @@ from toolkit.lint import lint
 from toolkit.lint.kv import GIB, estimate
 from toolkit.recipe import LoadedRecipe, ModelShape, Recipe
 from toolkit.results import Finding, Report, Severity
+from toolkit.runtime import standins
 from toolkit.submission.render import argv
+from toolkit.transforms.deploy import Deploy
 from toolkit.trial import reference_rootfs, untried_here
 from toolkit.variants import Variant
 
@@ -55,6 +57,7 @@ class Outcome:
     kv: dict[str, Any] = field(default_factory=dict)
     lint_errors: list[str] = field(default_factory=list)  # "rule: message"
     not_checked: list[str] = field(default_factory=list)
+    standins: dict[str, Any] = field(default_factory=dict)  # the GPU libraries stood in, and what was called
 
     @property
     def starts(self) -> bool:
@@ -63,7 +66,7 @@ class Outcome:
     def as_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "starts": self.starts, "stages": [dict(s.__dict__) for s in self.stages],
                 "config": self.config, "kv": self.kv, "lint_errors": self.lint_errors,
-                "not_checked": self.not_checked}
+                "not_checked": self.not_checked, "standins": self.standins}
 
 
 def model_config(model: ModelShape, max_model_len: int, folder: Path, fallback: bool = False) -> Path:
@@ -101,45 +104,93 @@ class Tree:
     vendor: Path
     untried: dict[str, str]
     where: str
+    reference: bool = False  # a CoreX-like copy of the public release, not the image's own files
 
 
-def patched_copy(loaded: LoadedRecipe, pinned: dict[str, Path], work: Path) -> Tree:
-    """The recipe applied to a copy of the CoreX-like reference tree (and each package's release)."""
+def _root_items(recipe: Recipe, package: str) -> set[str]:
+    """What of a root the runtime needs: the package, and what the recipe deploys beside it (native_fastpaths)."""
+    names = {package}
+    for t in recipe.for_package(package):
+        if isinstance(t, Deploy) and not t.dest.startswith("/"):
+            names.add(PurePosixPath(t.dest).parts[0])
+    return names
+
+
+def _copy_root(source: Path, target: Path, package: str, names: set[str]) -> Path:
+    """The package (with its metadata) and the named items of a root, copied: never the rest of an image's
+    site-packages, whose GPU builds (torch for the device) would shadow the runtime's own."""
+    target.mkdir(parents=True)
+    skip = shutil.ignore_patterns("__pycache__")
+    for name in sorted(names):
+        item = source / name
+        if item.is_dir():
+            shutil.copytree(item, target / name, symlinks=True, ignore=skip)
+        elif item.is_file():
+            shutil.copy2(item, target / name)
+    for meta in source.glob(f"{package.replace('-', '_')}-*.dist-info"):
+        shutil.copytree(meta, target / meta.name, symlinks=True)
+    return target
+
+
+def _package_sources(loaded: LoadedRecipe, rootfs: Path | None, given: dict[str, str]) -> dict[str, Path]:
+    """Where each declared package that transforms edit is read from: its roots under the rootfs (or
+    --package-root) when there are any, else the release the trial uses."""
     recipe = loaded.recipe
-    base, _ = reference_rootfs(recipe)
-    source = rootfs_roots(recipe, base)[0].path
-    vendor = work / "vendor"
-    shutil.copytree(source, vendor, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    out: dict[str, Path] = {}
+    for package in recipe.packages:
+        if not recipe.for_package(package.name):
+            continue
+        if rootfs is not None and (package.name in given or package.roots):
+            out[package.name] = package_roots(recipe, package.name, rootfs, given)[0].path
+        elif package.trial_release is not None:
+            out[package.name] = reference_root(package.trial_release, recipe.base_image.python,
+                                               recipe.base_image.platform).path
+        elif rootfs is not None:
+            out[package.name] = package_roots(recipe, package.name, rootfs, given)[0].path  # says what to pass
+    return out
+
+
+def patched_copy(loaded: LoadedRecipe, pinned: dict[str, Path], work: Path, rootfs: Path | None = None,
+                 given: dict[str, str] | None = None) -> Tree:
+    """The recipe applied to a copy of the vendor roots under `rootfs` (checked as the image is: version and
+    replacement contracts), or by default of the CoreX-like reference tree; each package from its roots or
+    its release."""
+    recipe = loaded.recipe
+    exact = rootfs is not None
+    base = rootfs if rootfs is not None else reference_rootfs(recipe)[0]
+    package = recipe.vendor.package
+    vendor = _copy_root(rootfs_roots(recipe, base)[0].path, work / "vendor", package, _root_items(recipe, package))
     untried = untried_here(recipe, pinned)
     engines = [Engine(loaded, [Root(recipe.vendor.roots[0], vendor)], None, pinned=pinned, skip=frozenset(untried),
-                      check_version=False, check_replaced=False)]
+                      check_version=exact, check_replaced=exact)]
     paths = [vendor]
-    for package in recipe.packages:
-        if not recipe.for_package(package.name) or package.trial_release is None:
-            continue
-        release = reference_root(package.trial_release, recipe.base_image.python, recipe.base_image.platform).path
-        target = work / package.name
-        shutil.copytree(release, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for name, source in _package_sources(loaded, rootfs, given or {}).items():
+        target = _copy_root(source, work / name, name, _root_items(recipe, name))
         engines.append(Engine(loaded, [Root(str(target), target)], None, pinned=pinned, skip=frozenset(untried),
-                              package=package.name))
+                              package=name))
         paths.insert(0, target)
     plan = run_packages(engines)
+    where = f"the vendor roots under {rootfs}" if exact else "the reference tree"
     if not plan.ok:
         drifted = sorted({r.transform for r in plan.results if not r.state.ok})
-        raise ToolkitError(f"the recipe does not apply to the reference tree: {', '.join(drifted)} DRIFTED",
-                           hint="see `toolkit diff RECIPE --reference`")
+        raise ToolkitError(f"the recipe does not apply to {where}: {', '.join(drifted)} DRIFTED",
+                           hint=f"see `toolkit diff RECIPE {f'--rootfs {rootfs}' if exact else '--reference'}`")
     commit(plan.ops)
-    return Tree(paths, vendor, untried, f"a copy of {recipe.vendor.reference} (CoreX-like) with the recipe applied")
+    if exact:
+        return Tree(paths, vendor, untried, f"a copy of the vendor roots under {rootfs} with the recipe applied")
+    return Tree(paths, vendor, untried, f"a copy of {recipe.vendor.reference} (CoreX-like) with the recipe applied",
+                reference=True)
 
 
-def given_tree(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str]) -> Tree:
-    """Vendor roots the recipe was already applied to (an extracted image, a test rootfs)."""
+def given_tree(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str], work: Path) -> Tree:
+    """Vendor roots the recipe was already applied to (an extracted image, a test rootfs), copied as they are."""
     recipe = loaded.recipe
-    vendor = rootfs_roots(recipe, rootfs)[0].path
+    package = recipe.vendor.package
+    vendor = _copy_root(rootfs_roots(recipe, rootfs)[0].path, work / "vendor", package, _root_items(recipe, package))
     paths = [vendor]
-    for package in recipe.packages:
-        if recipe.for_package(package.name):
-            paths.insert(0, package_roots(recipe, package.name, rootfs, given)[0].path)
+    for name in (p.name for p in recipe.packages if recipe.for_package(p.name)):
+        source = package_roots(recipe, name, rootfs, given)[0].path
+        paths.insert(0, _copy_root(source, work / name, name, _root_items(recipe, name)))
     return Tree(paths, vendor, {}, f"the patched roots under {rootfs}")
 
 
@@ -192,9 +243,10 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
             outcomes.append(outcome)
         request = {"hardware": {"count": recipe.hardware.count, "memory_gb": recipe.hardware.memory_gb},
                    "attention_backends": recipe.base_image.attention_backends,
-                   "variants": requests, "roots": [str(tree.vendor)], "env": sorted(recipe.env)}
+                   "variants": requests, "roots": [str(tree.vendor)], "trees": [str(p) for p in tree.paths],
+                   "env": sorted(recipe.env)}
         # one process for every variant: importing vLLM once costs seconds
-        result = _probe(python, tree.paths, request)
+        result = _probe(python, tree, request, loaded)
     by_name = {v["name"]: v for v in result["variants"]}
     for outcome in outcomes:
         data = by_name[outcome.variant]
@@ -213,6 +265,7 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
                 continue
             outcome.stages.append(stage)
         outcome.config = data.get("config", {})
+        outcome.standins = result.get("standins") or {}
         outcome.kv = data.get("kv", {})
         if missing_sources:
             outcome.not_checked.append(f"what source(s) {', '.join(sorted(missing_sources))} register (tool and "
@@ -231,21 +284,51 @@ def _no_model() -> ModelShape:
                        hint="add a `model:` section to the recipe, or pass --model-config DIR")
 
 
-def _probe(python: Path, paths: list[Path], request: dict[str, Any]) -> dict[str, Any]:
-    env = {"PYTHONPATH": ":".join(str(p) for p in paths), "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+def _probe(python: Path, tree: Tree, request: dict[str, Any], loaded: LoadedRecipe) -> dict[str, Any]:
+    recipe = loaded.recipe
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1"}
+           "DO_NOT_TRACK": "1",
+           **standins.environment(cache_dir() / "runtime", recipe.base_image.gpu_libraries, tree.paths)}
     proc = subprocess.run([str(python), str(PROBE)], input=json.dumps(request), capture_output=True, text=True,
                           env=env, timeout=600)
     if proc.returncode != 0:
-        raise ToolkitError("the patched vLLM could not be imported on the CPU runtime:\n"
-                           + "\n".join(proc.stderr.strip().splitlines()[-12:]),
-                           hint="the traceback above is the vendor tree's own; `toolkit verify` checks it compiles")
+        raise ToolkitError(f"the patched vLLM could not be run on the CPU runtime ({tree.where}):\n"
+                           + "\n".join(proc.stderr.strip().splitlines()[-12:]), hint=_where_hint(tree))
     try:
         data = json.loads(proc.stdout)
     except json.JSONDecodeError:
         raise ToolkitError("the preflight probe printed no result: " + proc.stdout[-500:]) from None
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    failed = data.get("import_error")
+    if failed:
+        raise _import_failure(loaded, tree, failed)
+    return data
+
+
+def _where_hint(tree: Tree) -> str:
+    if tree.reference:
+        return (f"this ran on {tree.where}, not on the image's own files; where the image differs, run on them: "
+                "`toolkit vendor pull RECIPE -o DIR`, then --rootfs DIR")
+    return "the traceback is the patched tree's own; `toolkit verify RECIPE --rootfs DIR` checks it compiles"
+
+
+def _import_failure(loaded: LoadedRecipe, tree: Tree, failed: dict[str, Any]) -> ToolkitError:
+    """`import vllm` failed: an undeclared GPU library names the field to add it to; anything else says where."""
+    recipe = loaded.recipe
+    module = str(failed.get("module") or "")
+    top = module.split(".")[0]
+    where = failed.get("where") or "a file outside the patched trees"
+    if failed.get("type") == "ModuleNotFoundError" and top and top not in recipe.base_image.gpu_libraries:
+        line = loaded.line_of("base_image", "gpu_libraries") or loaded.line_of("base_image")
+        return ToolkitError(
+            f"the patched tree imports {module!r} at {where}, and {top} is neither installed in the CPU runtime "
+            f"nor declared as a GPU library of the image ({tree.where})",
+            hint=f"if only the image has it, add {top} to base_image.gpu_libraries ({loaded.path}:{line}): preflight "
+            "then stands it in; if it is a pure-Python package, the runtime lacks it (report it)")
+    return ToolkitError(f"importing the patched vLLM failed at {where}: {failed.get('type')}: {failed.get('message')}",
+                        hint=_where_hint(tree))
 
 
 def kv_summary(recipe: Recipe, outcome: Outcome) -> str | None:
@@ -270,6 +353,24 @@ def kv_summary(recipe: Recipe, outcome: Outcome) -> str | None:
 
 
 
+def standins_summary(record: dict[str, Any]) -> str | None:
+    """What was stood in for the image's GPU libraries, and whether the vendor's code called any of it."""
+    libraries = record.get("libraries") or []
+    if not libraries:
+        return None
+    modules = record.get("modules") or []
+    calls = record.get("calls") or []
+    used = ", ".join(sorted(modules)) or "none imported"
+    if not calls:
+        called = "preflight called none of them"
+    else:
+        seen = dict.fromkeys(f"{c['name']} from {c['where']}" + (f" (ran {c['mapped']})" if c.get("mapped") else
+                                                                  " (raised)") for c in calls)
+        called = f"preflight called {len(calls)}: " + "; ".join(seen)
+    return (f"stood in for the image's GPU libraries ({', '.join(libraries)}): {len(modules)} module(s): {used}; "
+            f"{called}")
+
+
 def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
     """One row per variant, the vendor's failures as findings, and how preflight and lint agree."""
     rows: list[tuple[str, ...]] = []
@@ -290,6 +391,9 @@ def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
                          f"{failed[0].describe()}")
         rows.append((o.variant, "starts" if o.starts else "CANNOT START", "error" if o.lint_errors else "ok", detail))
         findings.extend(Finding(s.stage, o.variant, s.where, s.describe()) for s in failed)
+    said = standins_summary(outcomes[0].standins) if outcomes else None
+    if said:
+        notes.append(said)
     kv = kv_summary(loaded.recipe, outcomes[0]) if outcomes else None
     if kv:
         notes.append(f"{outcomes[0].variant}: {kv}")
@@ -307,21 +411,25 @@ def _key(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path],
     patches = sorted((p.relative_to(loaded.patches_dir).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
                      for p in loaded.patches_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     sources = {name: str(tree) for name, tree in sorted(pinned.items())}
-    raw = json.dumps([recipe, patches, [v.name for v in variants], sources, PROBE.read_text(), str(python)],
-                     sort_keys=True)
+    raw = json.dumps([recipe, patches, [v.name for v in variants], sources, PROBE.read_text(),
+                      Path(standins.__file__).read_text(), str(python)], sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path],
-               python: Path) -> tuple[list[Outcome], bool]:
-    """run() on a patched copy of the reference tree, remembered by everything it depends on (True: from the cache).
+def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path,
+               rootfs: Path | None = None, given: dict[str, str] | None = None) -> tuple[list[Outcome], bool]:
+    """run() on a patched copy of the reference tree (or of the vendor roots under rootfs), remembered by everything
+    it depends on (True: from the cache); a rootfs is the user's, and may change: it is run every time.
 
     `toolkit build` runs this: the same recipe built again does not pay the vendor's import twice."""
+    if rootfs is not None:
+        with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
+            return run(loaded, variants, patched_copy(loaded, pinned, Path(tmp), rootfs, given), python), False
     target = cache_dir() / "preflight" / f"{_key(loaded, variants, pinned, python)}.json"
     if target.is_file():
         data = json.loads(target.read_text())
         return [Outcome(d["variant"], [Stage(**s) for s in d["stages"]], d["config"], d["kv"], d["lint_errors"],
-                        d["not_checked"]) for d in data], True
+                        d["not_checked"], d.get("standins", {})) for d in data], True
     with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
         outcomes = run(loaded, variants, patched_copy(loaded, pinned, Path(tmp)), python)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@ by the toolkit. The shims are applied here, from outside the tree, before anythi
 - a stand-in `pynvml` reports the recipe's device count, memory and compute capability, so vLLM takes the CUDA
   platform, as on the image, and its config code sees the accelerators it will see there (nothing touches a GPU;
   the `+cpu` version trick of ../shared/VLLM_CPU.md is for running layers on the CPU, which this does not do);
-- `cuda_device_count_stateless` returns that count.
+- `cuda_device_count_stateless` returns that count;
+- the image's GPU-only libraries (base_image.gpu_libraries) are stood in by `toolkit_standins` (standins.py),
+  loaded by the sitecustomize on PYTHONPATH; what was stood in and called is part of the result.
 Prints one JSON object on stdout; everything the vendor logs goes to stderr.
 """
 
@@ -52,12 +54,27 @@ def _shim_nvml(devices: int, memory_gb: float, capability: tuple[int, int]) -> N
     sys.modules["pynvml"] = nvml
 
 
+TREES: list[str] = []  # the patched trees on sys.path (from the request): where a failure is located
+
+
+def _in_tree(filename: str) -> str | None:
+    for tree in TREES:
+        if filename.startswith(tree.rstrip("/") + "/"):
+            return filename[len(tree.rstrip("/")) + 1:]
+    return None
+
+
 def _failure(stage: str, exc: BaseException) -> dict[str, Any]:
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = next(("vllm/" + f"{f.filename}:{f.lineno}".rsplit("/vllm/", 1)[1] for f in reversed(frames)
-                  if "/vllm/" in f.filename), "")
-    return {"stage": stage, "ok": False, "type": type(exc).__name__, "message": str(exc).strip() or repr(exc),
-            "where": where}
+    frames: list[traceback.FrameSummary] = list(traceback.extract_tb(exc.__traceback__))
+    if isinstance(exc, ModuleNotFoundError):
+        # the import statement that failed: the innermost frame that is not the import machinery
+        frames = [f for f in frames if not f.filename.startswith("<frozen")]
+    where = next((f"{_in_tree(f.filename)}:{f.lineno}" for f in reversed(frames) if _in_tree(f.filename)), "")
+    out = {"stage": stage, "ok": False, "type": type(exc).__name__, "message": str(exc).strip() or repr(exc),
+           "where": where}
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        out["module"] = exc.name
+    return out
 
 
 def _variant(request: dict[str, Any], variant: dict[str, Any]) -> dict[str, Any]:
@@ -227,13 +244,20 @@ def main() -> int:
     hw = request["hardware"]
     major, minor = hw.get("capability", (7, 0))
     _shim_nvml(hw["count"], hw["memory_gb"], (major, minor))
-    import vllm.utils
-
-    vllm.utils._cuda_device_count_stateless = lambda *a: hw["count"]
-    result: dict[str, Any] = {"vllm": vllm.utils.__file__.rsplit("/vllm/", 1)[0], "variants": []}
-    for variant in request["variants"]:
-        result["variants"].append(_variant(request, variant))
-    result["env"] = _env_reads(request["roots"], request["env"])
+    TREES.extend(request.get("trees", request["roots"]))
+    result: dict[str, Any] = {"variants": []}
+    try:
+        import vllm.utils
+    except Exception as exc:
+        result["import_error"] = _failure("import", exc)
+    else:
+        vllm.utils._cuda_device_count_stateless = lambda *a: hw["count"]
+        result["vllm"] = vllm.utils.__file__.rsplit("/vllm/", 1)[0]
+        for variant in request["variants"]:
+            result["variants"].append(_variant(request, variant))
+        result["env"] = _env_reads(request["roots"], request["env"])
+    standins = sys.modules.get("toolkit_standins")  # installed by the runtime's sitecustomize, when declared
+    result["standins"] = getattr(standins, "RECORD", None)
     json.dump(result, out)
     return 0
 

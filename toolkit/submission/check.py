@@ -15,7 +15,7 @@ import yaml
 
 from toolkit.lint import lint
 from toolkit.recipe import load_recipe
-from toolkit.results import Finding, Report, Severity
+from toolkit.results import Finding, Issue, Report, Severity
 from toolkit.submission.build import MANIFEST, patch_sources, used_sources
 from toolkit.submission.render import PAYLOAD, argv
 from toolkit.submission.wheels import IN_IMAGE_PACKAGES
@@ -36,6 +36,7 @@ class Checker:
         self.outdir = outdir
         self.findings: list[Finding] = []
         self.notes: list[str] = []
+        self.issues: list[Issue] = []  # what holds but deserves saying loudly (the image build needs a network)
 
     def fail(self, check: str, file: str, message: str) -> None:
         self.findings.append(Finding(check, str(self.outdir), file, message))
@@ -62,7 +63,8 @@ class Checker:
         return self.report()
 
     def report(self) -> Report:
-        return Report("verify", str(self.outdir), findings=tuple(self.findings), notes=tuple(self.notes))
+        return Report("verify", str(self.outdir), findings=tuple(self.findings), notes=tuple(self.notes),
+                      issues=tuple(self.issues))
 
     def text_files(self, tracked: list[str]) -> list[str]:
         texts = []
@@ -171,6 +173,13 @@ class Checker:
             if not bundled and f"fetch source {source.name} at {source.commit}" not in apply_sh:
                 self.fail("payload", f"{PAYLOAD}/sources/{source.name}",
                           f"source {source.name} is neither bundled nor fetched by apply.sh: the image would lack it")
+            elif not bundled:
+                self.issues.append(Issue(
+                    "source-fetch", Severity.WARNING,
+                    f"source {source.name} is NOT bundled: the image build clones {source.git} at {source.commit}, "
+                    "so the platform's builder needs git and network (it may have neither, and shows no log)",
+                    f"bundle it: toolkit build RECIPE --source {source.name}=PATH (a local clone), or build where "
+                    "the URL is reachable"))
         for rel in patch_sources(loaded, recipe):
             if rel not in actual:
                 self.fail("payload", f"{PAYLOAD}/{rel}", "the recipe needs this file but the payload lacks it")

@@ -1,0 +1,157 @@
+"""The stand-ins for the image's GPU libraries (toolkit.runtime.standins), in a fresh interpreter each, switched on
+the way the CPU runtime switches them on: the sitecustomize of `site_dir()` first on PYTHONPATH, TOOLKIT_GPU_STANDINS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import FLAGSHIP, REPO
+
+from toolkit.runtime import standins
+
+TREE_MODULE = '''\
+import ixformer.functions as ixf_F
+from ixformer.contrib.xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
+from xformers import ops as xops
+import xformers.ops.fmha.attn_bias as bias
+
+
+@xops.register_op                 # a decorator, evaluated while the module is defined
+def kernel(x):
+    return x
+
+
+@ixf_F.autotune(configs=[ixf_F.Config(block=64)], key=["n"])   # a decorator factory
+def tuned(x):
+    return x
+
+
+class Mask(BlockDiagonalCausalMask):   # the tree subclasses a library class and uses it as its own
+    def __init__(self, n):
+        self.n = n
+
+
+def forward(x):
+    return ixf_F.silu_and_mul(x)
+
+
+def linear(x, w):
+    return ixf_F.linear(x, w)
+'''
+
+
+def line_of(text: str) -> int:
+    return next(i for i, line in enumerate(TREE_MODULE.splitlines(), 1) if text in line)
+
+
+def run(tmp_path: Path, code: str, libraries: str = "ixformer,xformers") -> subprocess.CompletedProcess[str]:
+    (tmp_path / "tree").mkdir(exist_ok=True)
+    (tmp_path / "tree" / "vendormod.py").write_text(TREE_MODULE)
+    env = dict(os.environ, **standins.environment(tmp_path / "cache", libraries.split(","), [tmp_path / "tree"]),
+               TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "record.json"))
+    if not libraries:
+        env.pop(standins.ENV)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
+
+
+def test_a_tree_that_imports_them_imports_and_a_call_names_library_attribute_and_caller(tmp_path: Path) -> None:
+    proc = run(tmp_path, """
+        import json, vendormod
+        from xformers.ops.fmha.attn_bias import AttentionBias
+        import xformers.ops.fmha.attn_bias as bias
+        out = {"mask": vendormod.Mask(3).n, "subclass": issubclass(vendormod.Mask, vendormod.BlockDiagonalCausalMask),
+               "same": bias.AttentionBias is AttentionBias, "isinstance": isinstance(vendormod.Mask(1), vendormod.Mask)}
+        try:
+            vendormod.forward(1)
+        except RuntimeError as exc:
+            out["forward"] = [type(exc).__name__, str(exc)]
+        def run_kernel():  # from a function: where GPU code runs (at a module's top level it stands in again)
+            vendormod.kernel(1)
+        try:
+            run_kernel()
+        except RuntimeError as exc:
+            out["kernel"] = str(exc)
+        print(json.dumps(out))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["mask"] == 3 and out["subclass"] and out["same"] and out["isinstance"]
+    kind, message = out["forward"]
+    assert kind == "StandInCalled"
+    assert message.startswith("ixformer.functions.silu_and_mul called from ")
+    assert f"vendormod.py:{line_of('silu_and_mul')}" in message
+    assert "GPU library of the image" in message and "base_image.gpu_libraries" in message
+    assert out["kernel"].startswith("xformers.ops.register_op(...) called from")
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["libraries"] == ["ixformer", "xformers"]
+    assert {"ixformer", "ixformer.functions", "xformers.ops.fmha.attn_bias"} <= set(record["modules"])
+    assert [c["name"] for c in record["calls"]] == ["ixformer.functions.silu_and_mul", "xformers.ops.register_op(...)"]
+
+
+def test_a_mapped_call_runs_its_pytorch_equivalent(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="the mapped call is torch's linear")
+    proc = run(tmp_path, """
+        import torch, vendormod
+        x, w = torch.randn(3, 4), torch.randn(5, 4)
+        print(float((vendormod.linear(x, w) - x @ w.t()).abs().max()))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout) < 1e-6
+    calls = json.loads((tmp_path / "record.json").read_text())["calls"]
+    assert calls == [{"name": "ixformer.functions.linear", "where": calls[0]["where"],
+                      "mapped": "torch.nn.functional:linear"}]
+    assert calls[0]["where"].endswith(f"vendormod.py:{line_of('ixf_F.linear')}")
+
+
+def test_undeclared_and_installed_libraries_are_left_alone(tmp_path: Path) -> None:
+    # only ixformer declared: xformers stays what it is here (not installed), and the import fails as it would
+    proc = run(tmp_path, "import vendormod", libraries="ixformer")
+    assert proc.returncode != 0 and "No module named 'xformers'" in proc.stderr
+    # a library that is really installed wins over its stand-in
+    proc = run(tmp_path, "import json; print(json.__file__)", libraries="json")
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("json/__init__.py")
+    # switched off: nothing is stood in
+    proc = run(tmp_path, "import vendormod", libraries="")
+    assert proc.returncode != 0 and "No module named 'ixformer'" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def runtime_python() -> Path:
+    from toolkit.runtime.env import runtime
+
+    return runtime()
+
+
+def test_preflight_names_an_undeclared_gpu_library_and_the_importing_line(cli, runtime_python: Path,
+                                                                         tmp_path: Path) -> None:
+    data = yaml.safe_load(FLAGSHIP.read_text())
+    data["patches"] = str(REPO / "patches/src")
+    data["base_image"]["gpu_libraries"] = ["xformers"]  # ixformer left out
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = cli("preflight", recipe, "--json")
+    assert result.code == 2, result.out + result.err
+    error = json.loads(result.out)
+    assert "imports 'ixformer" in error["error"]
+    assert "neither installed in the CPU runtime nor declared" in error["error"]
+    assert " at vllm/" in error["error"] and ".py:" in error["error"]
+    assert "base_image.gpu_libraries" in error["fix"] and f"{recipe}:" in error["fix"]
+
+
+def test_preflight_lists_what_it_stood_in(cli, runtime_python: Path) -> None:
+    result = cli("preflight", FLAGSHIP, "--json")
+    assert result.code == 0, result.err[-2000:]
+    notes = [n for n in result.json()["notes"] if n.startswith("stood in for the image's GPU libraries")]
+    assert len(notes) == 1 and "(ixformer, xformers)" in notes[0] and "ixformer.distributed" in notes[0]
+    assert notes[0].endswith("preflight called none of them")
+    standins_seen = result.json()["variants"][0]["standins"]
+    assert "ixformer.functions" in standins_seen["modules"]
