@@ -1,7 +1,7 @@
 """apply + verify of the flagship recipe vs a plain text-replacement script doing the same edits.
 
-Both run in this process on fresh copies of the same CoreX-like tree (vLLM 0.6.3.post1 with the
-vendor changes, two roots). The baseline is what the prior art's patch_ops.sh did: str.replace
+Both run in this process on fresh copies of the same CoreX-like tree (vLLM 0.6.3 with the
+vendor changes, CRLF, two roots). The baseline is what the prior art's patch_ops.sh did: str.replace
 on the anchors, copy the files, make the link, grep for the results. Prints medians and the ratio.
 
     python benchmarks/apply.py [--repeat 5]
@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from toolkit.corexlike import COREX_ROOTS, make_rootfs
+from toolkit.corexlike import COREX_BASE, COREX_ROOTS, make_rootfs
 from toolkit.engine.plan import Engine
 from toolkit.engine.verify import verify_tree
 from toolkit.engine.writer import commit
 from toolkit.inputs import fetch_reference, rootfs_roots
+from toolkit.pinned import resolve_pinned
 from toolkit.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,14 +72,17 @@ def text_replacement(rootfs: Path) -> None:
     os.symlink("libcusolver.so.11", rootfs / "usr/local/corex/lib64/libcusolver.so")
 
 
+PINNED: dict[str, Path] = {}  # the stand-in adapter (tests/standin_adapter.py), exported once in main()
+
+
 def toolkit_apply_verify(rootfs: Path) -> None:
     loaded = load_recipe(RECIPE)
     roots = rootfs_roots(loaded.recipe, rootfs)
-    plan = Engine(loaded, roots, rootfs).run()
+    plan = Engine(loaded, roots, rootfs, pinned=PINNED).run()
     if not plan.ok:
         raise SystemExit("toolkit apply drifted on the benchmark tree")
     commit(plan.ops)
-    report = verify_tree(loaded, roots, rootfs)
+    report = verify_tree(loaded, roots, rootfs, PINNED)
     if not report.ok:
         raise SystemExit("toolkit verify failed on the benchmark tree")
 
@@ -101,14 +105,22 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        template = make_rootfs(fetch_reference("vllm==0.6.3.post1"), work / "template")
+        reference = fetch_reference(COREX_BASE)
+        template = make_rootfs(reference, work / "template")
+        # the adapter is third-party and never here: the tests' stand-in has its layout and anchors
+        sys.path.insert(0, str(REPO / "tests"))
+        from standin_adapter import make_repo
+
+        clone, pin = make_repo(work / "adapter", reference)
+        overrides: dict[str, tuple[str, str | None]] = {"qwen36-adapter": (str(clone), pin)}
+        PINNED.update(resolve_pinned(load_recipe(RECIPE).recipe, RECIPE.parent, overrides)[0])
         # one warm-up each so imports and the page cache do not count against either side
         measure(text_replacement, template, work, 1)
         measure(toolkit_apply_verify, template, work, 1)
         base = measure(text_replacement, template, work, args.repeat)
         ours = measure(toolkit_apply_verify, template, work, args.repeat)
     b, o = statistics.median(base), statistics.median(ours)
-    print(f"tree: CoreX-like vLLM 0.6.3.post1, {len(COREX_ROOTS)} roots, recipe {RECIPE.name}")
+    print(f"tree: CoreX-like {COREX_BASE}, {len(COREX_ROOTS)} roots, recipe {RECIPE.name}")
     print(f"text-replacement baseline : median {b * 1000:8.1f} ms over {args.repeat} runs")
     print(f"toolkit apply + verify    : median {o * 1000:8.1f} ms over {args.repeat} runs")
     print(f"ratio toolkit / baseline  : {o / b:8.1f}x   (goal: apply+verify < 2 s and <= 5x)")

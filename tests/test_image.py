@@ -95,3 +95,24 @@ def test_vendor_pull_gives_a_tree_apply_accepts(cli, base_images: dict[str, str]
     result = cli("diff", recipe, "--rootfs", pulled, "--stat", *adapter_args, "--package-root",
                  f"transformers={transformers_site(pulled, transformers_455)}")
     assert "unhardcode-enforce-eager" in result.out
+
+
+def test_a_source_fetched_by_the_host_builds_without_git_or_network(cli, engine: Any, base_images: dict[str, str],
+                                                                   vllm_063: Path, tmp_path: Path) -> None:
+    """No --source: `toolkit build` clones the adapter from its URL (file:// here) into its cache and bundles it;
+    the image build runs with no network (network_mode none) from a base image that has no git."""
+    from standin_adapter import make_repo
+
+    bare, commit = make_repo(tmp_path / "remote", vllm_063)
+    recipe = recipe_for(tmp_path, base_images["good"])
+    data = yaml.safe_load(recipe.read_text())
+    data["sources"][0].update(git=f"file://{bare}", commit=commit, fetch="host")
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    probe = engine.containers.run(base_images["good"], ["bash", "-c", "command -v git || echo no-git"],
+                                  network_mode="none", remove=True)
+    assert probe.strip() == b"no-git"
+    result = cli("build", recipe, "-o", tmp_path / "sub", "--image", "toolkit-test/submission:host-fetch", "--json")
+    assert result.code == 0, result.err[-3000:]
+    assert f"source qwen36-adapter: cloning file://{bare}" in result.err
+    assert "[ok] source qwen36-adapter: " in result.err and "fetch source" not in result.err
+    assert "== summary: ok," in result.err

@@ -20,7 +20,7 @@ BASE: dict[str, Any] = yaml.safe_load(FLAGSHIP.read_text())
 PRIOR_ART = sorted((REPO / "tests" / "recipes").glob("prior-*.yaml"))
 
 
-# the unknown-flag rule reads vLLM 0.6.3.post1's argument parser from its source: fetched (and cached) first
+# the unknown-flag rule reads vLLM 0.6.3's argument parser from its source: fetched (and cached) first
 pytestmark = pytest.mark.usefixtures("vllm_063")
 
 
@@ -88,11 +88,16 @@ CASES: list[tuple[str, Severity, Callable[[dict[str, Any]], None], Callable[[dic
     ("workdir-shadow", Severity.ERROR,
      lambda d: d["serve"].__setitem__("workdir", "/usr/local/corex/lib/python3/dist-packages"),
      lambda d: d["serve"].__setitem__("workdir", "/workspace")),
+    ("source-fetch", Severity.WARNING, lambda d: d["sources"][0].__setitem__("fetch", "image"),
+     lambda d: d["sources"][0].__setitem__("fetch", "host")),
 ]
+# rules that need a vendor tree to compare with (lint --rootfs): their cases are in the test named beside them
+ROOTFS_RULES = {
+    "vendor-base": "test_corexlike.py::test_vendor_compare_names_063_and_exactly_the_files_the_fixture_changed"}
 
 
 def test_every_rule_has_a_case() -> None:
-    assert {c[0] for c in CASES} == set(RULES)
+    assert {c[0] for c in CASES} | set(ROOTFS_RULES) == set(RULES)
 
 
 @pytest.mark.parametrize("rule,severity,fire,quiet", CASES, ids=[c[0] for c in CASES])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -191,11 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rootfs.exists():
         parser.error(f"{args.rootfs} exists; pick a new folder")
-    tmp = args.rootfs.with_name(f".{args.rootfs.name}.partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    make_rootfs(fetch_reference(args.release), tmp)
-    tmp.rename(args.rootfs)
+    args.rootfs.parent.mkdir(parents=True, exist_ok=True)
+    # laid out beside the target in a folder of our own, renamed into place whole
+    work = Path(tempfile.mkdtemp(prefix=f".{args.rootfs.name}.", dir=args.rootfs.parent))
+    try:
+        make_rootfs(fetch_reference(args.release), work / "rootfs")
+        (work / "rootfs").rename(args.rootfs)
+    finally:
+        shutil.rmtree(work)
     print(f"CoreX-like rootfs ready: {args.rootfs} (roots: {', '.join(COREX_ROOTS)})")
     return 0
 

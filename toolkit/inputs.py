@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from toolkit.errors import InputError
 from toolkit.recipe import Recipe
@@ -101,17 +102,31 @@ def package_roots(recipe: Recipe, name: str, rootfs: Path | None, given: dict[st
     return roots
 
 
-def _literal_version(path: Path) -> str | None:
-    """A module-level `__version__ = "..."` in a Python file (read with ast, never imported)."""
+def _literal_version(path: Path, depth: int = 0) -> str | None:
+    """The version a Python file sets at module level: `__version__ = "..."`, or what its `from ._version import
+    __version__` reads. Read with ast, never imported; a fallback assigned in an `except` branch (vLLM's "dev")
+    and anything that is not a version are not taken."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
     except (OSError, SyntaxError, ValueError):
         return None
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-                and isinstance(node.value.value, str)
-                and any(isinstance(t, ast.Name) and t.id in ("__version__", "version") for t in node.targets)):
-            return node.value.value
+    statements = list(tree.body)
+    while statements:
+        node = statements.pop(0)
+        if isinstance(node, ast.Try):
+            statements[:0] = node.body  # the body, not the handlers
+        elif (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+              and isinstance(node.value.value, str)
+              and any(isinstance(t, ast.Name) and t.id in ("__version__", "version") for t in node.targets)):
+            try:
+                return str(Version(node.value.value))
+            except InvalidVersion:
+                return None
+        elif (isinstance(node, ast.ImportFrom) and node.level == 1 and node.module and depth < 2
+              and any(a.name == "__version__" for a in node.names)):
+            found = _literal_version(path.with_name(f"{node.module}.py"), depth + 1)
+            if found is not None:
+                return found
     return None
 
 

@@ -137,7 +137,8 @@ class Engine:
         if version is None and (self.check_version or gated):
             raise InputDriftError(
                 f"no {package} version in {self.roots[0].path}: {found[self.roots[0].label][1]}",
-                hint=f"the roots must hold {package}'s metadata or its version module",
+                hint=f"the roots must hold {package}'s metadata or its version module: a bare copy of {package}/ "
+                f"needs the image's {package}-*.dist-info beside it (`toolkit vendor pull` keeps it)",
             )
         if self.check_version and version is not None:
             spec = SpecifierSet(self.version_spec)
