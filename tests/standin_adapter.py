@@ -101,12 +101,110 @@ class Qwen3_5MoeSparseBlock(torch.nn.Module):
 
 MODEL_CLASSES = '''
 
+def _rms(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class _FullAttention(torch.nn.Module):
+    """Causal attention over vLLM's paged KV cache, in its layout (key [blocks, kv_heads, head_dim/x, block, x],
+    value [blocks, kv_heads, head_dim, block]); the cache is the one of the attention layers numbered attn_idx."""
+
+    def __init__(self, hidden, heads, kv_heads, head_dim, attn_idx):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.attn_idx = heads, kv_heads, head_dim, attn_idx
+        self.q_proj = torch.nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x, kv_cache, attn_metadata, block_size):
+        tokens, kvh, dim = x.shape[0], self.kv_heads, self.head_dim
+        q = self.q_proj(x).view(tokens, self.heads, dim)
+        k, v = self.k_proj(x).view(tokens, kvh, dim), self.v_proj(x).view(tokens, kvh, dim)
+        blocks, pack = kv_cache.shape[1], 16 // kv_cache.element_size()
+        key_cache = kv_cache[0].view(blocks, kvh, dim // pack, block_size, pack)
+        value_cache = kv_cache[1].view(blocks, kvh, dim, block_size)
+        slots = attn_metadata.slot_mapping.long()
+        key_cache[slots // block_size, :, :, slots % block_size, :] = k.view(tokens, kvh, dim // pack, pack)
+        value_cache[slots // block_size, :, :, slots % block_size] = v
+        out, start = [], 0
+        for seq, seq_len in enumerate(attn_metadata.seq_lens):
+            query_len = int(attn_metadata.query_start_loc[seq + 1] - attn_metadata.query_start_loc[seq])
+            positions = torch.arange(seq_len)
+            table = attn_metadata.block_tables[seq].long()
+            phys, offset = table[positions // block_size], positions % block_size
+            groups = self.heads // kvh
+            keys = key_cache[phys, :, :, offset, :].reshape(seq_len, kvh, dim).repeat_interleave(groups, 1)
+            values = value_cache[phys, :, :, offset].reshape(seq_len, kvh, dim).repeat_interleave(groups, 1)
+            query = q[start:start + query_len]
+            scores = torch.einsum("qhd,khd->hqk", query, keys) * dim ** -0.5
+            mask = torch.ones(query_len, seq_len, dtype=torch.bool).triu(seq_len - query_len + 1)
+            weights = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+            out.append(torch.einsum("hqk,khd->qhd", weights, values).reshape(query_len, -1))
+            start += query_len
+        return self.o_proj(torch.cat(out))
+
+
+class _LinearAttention(torch.nn.Module):
+    """A recurrent layer whose per-sequence state lives in the mamba cache, not the KV cache (GatedDeltaNet's
+    place in the adapter)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.in_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.out_proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.decay = torch.nn.Parameter(torch.rand(hidden) * 0.5 + 0.25)
+
+    def forward(self, x, state, attn_metadata):
+        u, out = self.in_proj(x), []
+        for seq in range(len(attn_metadata.seq_lens)):
+            for t in range(int(attn_metadata.query_start_loc[seq]), int(attn_metadata.query_start_loc[seq + 1])):
+                state[seq] = self.decay * state[seq] + u[t]
+                out.append(state[seq].clone())
+        return self.out_proj(torch.stack(out))
+
+
 class Qwen3_5ForCausalLM(torch.nn.Module):
-    """Dense Qwen3.5/3.6 (stand-in: the registry only needs the class to exist)."""
+    """Dense Qwen3.5/3.6 with the adapter's forward structure: its linear-attention layers read their state from
+    the mamba cache, its full-attention layers kv_caches[attn_idx], attn_idx counting the full-attention layers
+    only (so one KV cache per full-attention layer is all it reads)."""
+
+    def __init__(self, config, cache_config=None, quant_config=None, **kwargs):
+        super().__init__()
+        text = getattr(config, "text_config", config)
+        hidden = text.hidden_size
+        self.block_size = cache_config.block_size if cache_config is not None else 16
+        self.embed_tokens = torch.nn.Embedding(text.vocab_size, hidden)
+        self.layers = torch.nn.ModuleList()
+        attn_idx = linear_idx = 0
+        for layer_type in text.layer_types:
+            if layer_type == "full_attention":
+                self.layers.append(_FullAttention(hidden, text.num_attention_heads, text.num_key_value_heads,
+                                                  text.head_dim, attn_idx))
+                attn_idx += 1
+            else:
+                layer = _LinearAttention(hidden)
+                layer.linear_idx = linear_idx
+                self.layers.append(layer)
+                linear_idx += 1
+        self.num_linear_layers = linear_idx
+        self.lm_head = torch.nn.Linear(hidden, text.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, mamba_cache=None, **kwargs):
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            if isinstance(layer, _FullAttention):
+                h = h + layer(_rms(h), kv_caches[layer.attn_idx], attn_metadata, self.block_size)
+            else:
+                h = h + layer(_rms(h), mamba_cache[layer.linear_idx], attn_metadata)
+        return _rms(h)
+
+    def compute_logits(self, hidden_states, sampling_metadata=None):
+        return self.lm_head(hidden_states)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
-    """MoE Qwen3.5/3.6: what the served checkpoint's config.json declares."""
+    """MoE Qwen3.5/3.6: what the served checkpoint's config.json declares (its MoE block is the one above)."""
 '''
 
 BI100_ENV = '''"""Strict env parsing (stand-in)."""
@@ -211,17 +309,77 @@ class Qwen3ReasoningParser(ReasoningParser):
 }
 
 
-def _config(module: str, cls: str, model_type: str) -> dict[str, str]:
+CONFIG_TEMPLATE = '''"""Stand-in for the adapter's {module} config classes (adapted from transformers 5.2 like the real
+ones: PretrainedConfig imported as PreTrainedConfig, a local layer_type_validation, a text and a vision config under
+a composite one; config only, no modeling code)."""
+
+from transformers.configuration_utils import PretrainedConfig as PreTrainedConfig
+
+
+def layer_type_validation(layer_types, num_hidden_layers=None):
+    if not all(t in ("full_attention", "linear_attention") for t in layer_types):
+        raise ValueError(f"unknown layer type in {{layer_types}}")
+    if num_hidden_layers is not None and len(layer_types) != num_hidden_layers:
+        raise ValueError("layer_types and num_hidden_layers disagree")
+
+
+class {prefix}TextConfig(PreTrainedConfig):
+    model_type = "{model_type}_text"
+    base_config_key = "text_config"
+
+    def __init__(self, vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                 num_key_value_heads=2, head_dim=256, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                 layer_types=None, full_attention_interval=4, **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.rms_norm_eps = rms_norm_eps
+        self.layer_types = layer_types
+        if self.layer_types is None:
+            self.layer_types = ["linear_attention" if bool((i + 1) % full_attention_interval) else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        layer_type_validation(self.layer_types, self.num_hidden_layers)
+        super().__init__(**kwargs)
+
+
+class {prefix}VisionConfig(PreTrainedConfig):
+    model_type = "{vision_type}"
+    base_config_key = "vision_config"
+
+
+class {prefix}Config(PreTrainedConfig):
+    model_type = "{model_type}"
+    sub_configs = {{"vision_config": {prefix}VisionConfig, "text_config": {prefix}TextConfig}}
+
+    def __init__(self, text_config=None, vision_config=None, **kwargs):
+        self.text_config = {prefix}TextConfig(**(text_config or {{}})) if not isinstance(
+            text_config, PreTrainedConfig) else text_config
+        self.vision_config = {prefix}VisionConfig(**(vision_config or {{}})) if not isinstance(
+            vision_config, PreTrainedConfig) else vision_config
+        super().__init__(**kwargs)
+
+
+__all__ = {exported}
+'''
+
+
+def _config(module: str, prefix: str, model_type: str, vision_type: str, exported: list[str]) -> dict[str, str]:
     return {
         "__init__.py": f"from .configuration_{module} import *\n",
-        f"configuration_{module}.py": (
-            "from transformers.configuration_utils import PretrainedConfig\n\n\n"
-            f"class {cls}(PretrainedConfig):\n    model_type = {model_type!r}\n\n\n__all__ = [{cls!r}]\n"),
+        f"configuration_{module}.py": CONFIG_TEMPLATE.format(module=module, prefix=prefix, model_type=model_type,
+                                                             vision_type=vision_type, exported=exported),
     }
 
 
-CONFIGS = {"qwen3_5": _config("qwen3_5", "Qwen3_5Config", "qwen3_5"),
-           "qwen3_5_moe": _config("qwen3_5_moe", "Qwen3_5MoeConfig", "qwen3_5_moe")}
+# the MoE package exports no vision config, and its vision config's model_type is the composite's (ADAPTER.md 4)
+CONFIGS = {"qwen3_5": _config("qwen3_5", "Qwen3_5", "qwen3_5", "qwen3_5_vision",
+                              ["Qwen3_5Config", "Qwen3_5TextConfig", "Qwen3_5VisionConfig"]),
+           "qwen3_5_moe": _config("qwen3_5_moe", "Qwen3_5Moe", "qwen3_5_moe", "qwen3_5_moe",
+                                  ["Qwen3_5MoeConfig", "Qwen3_5MoeTextConfig"])}
 
 # adapter file -> (vendor file it replaces, what the stand-in changes in the public file)
 REPLACEMENTS = {

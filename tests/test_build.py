@@ -105,7 +105,7 @@ def test_no_half_written_outdir(cli, tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_crlf_inputs_never_reach_the_submission(cli, tmp_path: Path) -> None:
     patches = tmp_path / "patches"
     for rel in ("native_fastpaths/__init__.py", "native_fastpaths/attention.py", "native_fastpaths/switches.json",
-                "chat_templates/qwen36_multi_system.jinja"):
+                "chat_templates/qwen36_multi_system.jinja", "hybrid_kv_accounting.py"):
         (patches / rel).parent.mkdir(parents=True, exist_ok=True)
         (patches / rel).write_bytes((REPO / "patches/src" / rel).read_bytes().replace(b"\n", b"\r\n"))
     recipe = tmp_path / "recipes" / "bi100-qwen36.yaml"
@@ -173,11 +173,13 @@ def test_verify_checks_run_config_and_payload(cli, built: Path, tmp_path: Path) 
 
 def test_variant_build_and_refusal(cli, tmp_path: Path) -> None:
     out = tmp_path / "v"
-    assert cli("build", FLAGSHIP, "-o", out, "--variant", "mnbt-32768_mns-2_ecp-true").code == 0
-    command = yaml.safe_load((out / "computility-run.yaml").read_text())["command"]
-    assert command[command.index("--max-num-batched-tokens") + 1] == "32768"
-    assert "variant mnbt-32768_mns-2_ecp-true" in (out / "Dockerfile").read_text()
-    bad = cli("build", FLAGSHIP, "-o", tmp_path / "bad", "--variant", "mnbt-8192_mns-1_ecp-false")
+    assert cli("build", FLAGSHIP, "-o", out, "--variant", "mnbt-8192_mns-2_ecp-true_hka-legacy40").code == 0
+    config = yaml.safe_load((out / "computility-run.yaml").read_text())
+    command = config["command"]
+    assert command[command.index("--max-num-batched-tokens") + 1] == "8192"
+    assert {"name": "HYBRID_KV_ACCOUNTING", "value": "legacy40"} in config["env"]
+    assert "variant mnbt-8192_mns-2_ecp-true_hka-legacy40" in (out / "Dockerfile").read_text()
+    bad = cli("build", FLAGSHIP, "-o", tmp_path / "bad", "--variant", "mnbt-8192_mns-1_ecp-false_hka-legacy40")
     assert bad.code == 2 and "chunked-prefill-batch" in bad.err
     assert not (tmp_path / "bad").exists()
 
@@ -189,12 +191,12 @@ def test_all_variants_with_branches_and_push(cli, tmp_path: Path) -> None:
     result = cli("build", FLAGSHIP, "-o", out, "--all-variants", "--branches", "--push", remote, "--json")
     assert result.code == 0, result.err
     data = result.json()
-    assert len(data["branches"]) == 1 + 10  # main + every variant that lints clean except base
+    assert len(data["branches"]) == 1 + 18  # main + every variant that lints clean except base
     configs = sorted(p.parent.name for p in (out / "variants").glob("*/computility-run.yaml"))
-    assert len(configs) == 10 and not any(c.endswith("ecp-false") for c in configs)
+    assert len(configs) == 18 and not any("ecp-false" in c for c in configs)
     heads = {ref.name for ref in git.Repo(remote).heads}
     assert heads == {"main", *(f"variant/{c}" for c in configs)}
-    branch_tree = git.Repo(remote).commit("variant/mnbt-8192_mns-4_ecp-true").tree
+    branch_tree = git.Repo(remote).commit("variant/mnbt-8192_mns-4_ecp-true_hka-full-attention").tree
     config = yaml.safe_load(branch_tree["computility-run.yaml"].data_stream.read())
     assert config["command"][config["command"].index("--max-num-seqs") + 1] == "4"
 

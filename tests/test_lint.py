@@ -15,6 +15,7 @@ from conftest import FLAGSHIP, REPO
 from toolkit.lint import RULES, lint
 from toolkit.recipe import load_recipe
 from toolkit.results import Severity
+from toolkit.variants import find as find_variant
 
 BASE: dict[str, Any] = yaml.safe_load(FLAGSHIP.read_text())
 PRIOR_ART = sorted((REPO / "tests" / "recipes").glob("prior-*.yaml"))
@@ -119,10 +120,14 @@ def test_flagship_lints_without_errors_and_says_what_it_waits_for() -> None:
     result = lint(load_recipe(FLAGSHIP))
     assert result.errors == 0
     # the adapter is deployed: its flag (--reasoning-parser) and parser (qwen3_coder) are no longer waited for;
-    # what remains is the KV margin, counted as vLLM 0.6.3 counts it (every layer: no layers_block_type)
-    warnings = [i for i in result.issues if i.severity is Severity.WARNING]
+    # and with 10 KV caches (HYBRID_KV_ACCOUNTING=full_attention) the KV margin is no longer thin
+    assert [i for i in result.issues if i.severity is Severity.WARNING] == []
+    legacy = lint(load_recipe(FLAGSHIP), find_variant(load_recipe(FLAGSHIP).recipe, "kv-legacy40").apply(
+        load_recipe(FLAGSHIP).recipe), variant="kv-legacy40")
+    warnings = [i for i in legacy.issues if i.severity is Severity.WARNING]
     assert [i.rule for i in warnings] == ["kv-cache"]
     assert "thin memory margin" in warnings[0].message and "all 40 layers" in warnings[0].message
+    assert "HYBRID_KV_ACCOUNTING=legacy40" in warnings[0].message
 
 
 def test_a_declared_source_that_is_not_deployed_is_waited_for(tmp_path: Path) -> None:
@@ -137,16 +142,25 @@ def test_a_declared_source_that_is_not_deployed_is_waited_for(tmp_path: Path) ->
     assert all("qwen36-adapter" in i.message for i in found)
 
 
-def test_kv_estimate_numbers_for_the_flagship() -> None:
+def test_kv_estimate_numbers_for_the_flagship(tmp_path: Path) -> None:
     result = lint(load_recipe(FLAGSHIP))
     kv = result.data["kv_estimate"]
-    # vLLM 0.6.3 sizes KV for every layer unless the config declares layers_block_type; the adapter's does not
-    assert kv["attention_layers"] == 40 and "no layers_block_type" in kv["accounting"]
-    assert kv["kv_per_token_bytes"] == 40 * 2 * 1 * 256 * 2  # 40 layers, K+V, 1 KV head/card, 256, bf16
+    # vLLM 0.6.3 sizes KV by the config's layers_block_type: the hybrid-kv-accounting transforms give the adapter's
+    # config classes one, and HYBRID_KV_ACCOUNTING=full_attention counts the 10 full-attention layers
+    assert kv["attention_layers"] == 10
+    assert kv["accounting"] == "10 full-attention layers (layers_block_type, HYBRID_KV_ACCOUNTING=full_attention)"
+    assert kv["kv_per_token_bytes"] == 10 * 2 * 1 * 256 * 2  # 10 layers, K+V, 1 KV head/card, 256, bf16
     assert kv["weights_gib"] == pytest.approx(35e9 * 2 / 4 / 2**30)
-    assert kv["kv_needed_gib"] == pytest.approx(245008 * 40960 / 2**30)
-    assert kv["fits"] is True and 0.0 < kv["margin"] < 0.10
-    assert kv["budget_gib"] == pytest.approx(32 * 0.92)
+    assert kv["kv_needed_gib"] == pytest.approx(245008 * 10240 / 2**30)
+    assert kv["fits"] is True and kv["margin"] >= 0.10
+    assert kv["budget_gib"] == pytest.approx(32 * 0.90)
+    assert kv["kv_available_gib"] / kv["kv_needed_gib"] >= 4  # every one of max-num-seqs 4 at full length
+    # the switch decides, as vLLM will: legacy40 counts every layer, and an env without it takes the default
+    legacy = lint(load_recipe(write(tmp_path, set_env(HYBRID_KV_ACCOUNTING="legacy40")))).data["kv_estimate"]
+    assert legacy["attention_layers"] == 40 and legacy["kv_per_token_bytes"] == 40960
+    assert "HYBRID_KV_ACCOUNTING=legacy40" in legacy["accounting"]
+    unset = write(tmp_path, lambda d: d["env"].pop("HYBRID_KV_ACCOUNTING"), "unset.yaml")
+    assert lint(load_recipe(unset)).data["kv_estimate"]["attention_layers"] == 10
 
 
 def test_kv_counts_only_full_attention_layers_when_the_config_says_so(tmp_path: Path) -> None:
@@ -157,7 +171,8 @@ def test_kv_counts_only_full_attention_layers_when_the_config_says_so(tmp_path: 
 
 
 def test_kv_warning_on_thin_margin(tmp_path: Path) -> None:
-    found = issues_of(write(tmp_path, set_args(gpu_memory_utilization=0.94)), "kv-cache")
+    found = issues_of(write(tmp_path, both(set_args(gpu_memory_utilization=0.94),
+                                           set_env(HYBRID_KV_ACCOUNTING="legacy40"))), "kv-cache")
     assert [i.severity for i in found] == [Severity.WARNING]
     assert "thin memory margin" in found[0].message and "GiB" in found[0].message
 
@@ -176,7 +191,7 @@ def test_flag_added_by_a_deployed_file_is_known(tmp_path: Path) -> None:
 
     path = write(tmp_path, mutate)
     text = path.read_text().replace(str(REPO / "patches" / "src"), str(patches))
-    for name in ("native_fastpaths", "chat_templates"):
+    for name in ("native_fastpaths", "chat_templates", "hybrid_kv_accounting.py"):
         (patches / name).symlink_to(REPO / "patches" / "src" / name)
     path.write_text(text)
     found = issues_of(path, "unknown-flag")
@@ -222,7 +237,8 @@ def test_prior_art_failures_are_caught(cli, path: Path) -> None:
 
 def test_lint_exit_codes(cli, tmp_path: Path) -> None:
     assert cli("lint", FLAGSHIP).code == 0
-    assert cli("lint", FLAGSHIP, "--strict").code == 1  # the thin KV margin
+    assert cli("lint", FLAGSHIP, "--strict").code == 0  # no warning: 10 KV caches leave a wide margin
+    assert cli("lint", FLAGSHIP, "--variant", "kv-legacy40", "--strict").code == 1  # 40: the thin KV margin
     assert cli("lint", write(tmp_path, both(set_args(gpu_memory_utilization=0.98),
                                             lambda d: d["model"].update(layers_block_type=True))), "--strict").code == 0
     assert cli("lint", write(tmp_path, set_args(num_scheduler_steps=8))).code == 2
@@ -232,20 +248,22 @@ def test_variants_drop_impossible_combinations(cli) -> None:
     result = cli("variants", FLAGSHIP, "--json")
     assert result.code == 0
     variants = {v["name"]: v for v in result.json()["variants"]}
-    assert len(variants) == 1 + 1 + 3 * 3 * 2
+    assert len(variants) == 1 + 2 + 2 * 4 * 2 * 2
     assert variants["base"]["status"] == "ok" and variants["no-sdpa-fallback"]["status"] == "ok"
+    assert variants["kv-legacy40"]["status"] == "ok"
     dropped = {n for n, v in variants.items() if v["status"] == "DROPPED"}
-    assert dropped == {n for n in variants if n.endswith("ecp-false")}
+    assert dropped == {n for n in variants if "_ecp-false_" in n}
     assert all(v["issues"][0]["rule"] == "chunked-prefill-batch" for n, v in variants.items() if n in dropped)
-    assert variants["mnbt-16384_mns-2_ecp-true"]["args"] == {
+    assert variants["mnbt-16384_mns-2_ecp-true_hka-legacy40"]["args"] == {
         "max-num-batched-tokens": 16384, "max-num-seqs": 2, "enable-chunked-prefill": "true"}
+    assert variants["mnbt-16384_mns-2_ecp-true_hka-legacy40"]["env"] == {"HYBRID_KV_ACCOUNTING": "legacy40"}
 
 
 def test_lint_one_variant(cli) -> None:
-    bad = cli("lint", FLAGSHIP, "--variant", "mnbt-8192_mns-1_ecp-false", "--json")
+    bad = cli("lint", FLAGSHIP, "--variant", "mnbt-8192_mns-1_ecp-false_hka-full-attention", "--json")
     assert bad.code == 2
     issue = next(i for i in bad.json()["issues"] if i["severity"] == "error")
-    assert issue["variant"] == "mnbt-8192_mns-1_ecp-false"
+    assert issue["variant"] == "mnbt-8192_mns-1_ecp-false_hka-full-attention"
     assert issue["line"] == next(i + 1 for i, ln in enumerate(FLAGSHIP.read_text().splitlines())
                                  if "max-num-batched-tokens: [8192" in ln)
     missing = cli("lint", FLAGSHIP, "--variant", "nope")

@@ -70,25 +70,35 @@ def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, stand
     result = cli("preflight", FLAGSHIP, "--all-variants", "--source", f"qwen36-adapter={clone}@{commit}", "--json")
     assert result.code == 2, result.err[-2000:]  # the variants without chunked prefill cannot start
     variants = by_variant(result)
-    assert len(variants) == 20
+    assert len(variants) == 35
     base = stages(variants["base"])
     assert all(s["ok"] for s in base.values()), base
     assert base["architecture"]["message"].endswith("vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM")
     assert base["tool-parser"]["ok"] and base["reasoning-parser"]["ok"]
     assert variants["base"]["config"]["enforce_eager"] is True  # the flag is passed, and it now counts
     refused = {name for name, v in variants.items() if not v["starts"]}
-    assert refused == {name for name in variants if name.endswith("ecp-false")}
-    failure = stages(variants["mnbt-8192_mns-1_ecp-false"])["engine-config"]
+    assert refused == {name for name in variants if "ecp-false" in name}
+    failure = stages(variants["mnbt-8192_mns-1_ecp-false_hka-full-attention"])["engine-config"]
     assert failure["type"] == "ValueError" and VENDOR_MESSAGE in failure["message"]
     assert failure["where"].startswith("vllm/config.py:")
     # lint drops the same variants: nothing either one misses
     notes = result.json()["notes"]
     assert not any("lint missed" in n or "not reproduced" in n for n in notes)
-    # the vendor's own KV block size, and lint's estimate agrees with it (every layer counted, no layers_block_type)
+    # the vendor's own KV block size from the adapter's patched config classes, under each accounting, and lint's
+    # estimate agrees with it: 10 full-attention layers counted by default, all 40 with legacy40
     kv = variants["base"]["kv"]
-    assert kv == {"block_bytes": 16 * 40960, "block_size": 16, "bytes_per_token": 40960, "attention_layers": 40,
-                  "layers": 40}
-    assert any("40960 B/token/card, agrees with lint" in n for n in notes)
+    accountings = kv.pop("accountings")
+    assert kv == {"block_bytes": 163840, "block_size": 16, "bytes_per_token": 10240, "attention_layers": 10,
+                  "layers": 40, "switch": "HYBRID_KV_ACCOUNTING"}
+    assert {k: (a["attention_layers"], a["block_bytes"]) for k, a in accountings.items()} == {
+        "full_attention": (10, 163840), "legacy40": (40, 655360)}
+    legacy = variants["kv-legacy40"]["kv"]
+    assert (legacy["attention_layers"], legacy["block_bytes"]) == (40, 655360)
+    said = next(n for n in notes if n.startswith("base: KV:"))
+    assert "10240 B/token/card, agrees with lint" in said
+    per_card = float(said.split(" sequence(s) of 245000 tokens fit per card")[0].rsplit(" ", 1)[1])
+    assert per_card >= 4, said
+    assert "legacy40: 40 layers, 655360 B per block" in said
 
 
 def test_without_the_adapter_what_it_adds_is_not_checked(cli, python: Path) -> None:
@@ -309,3 +319,28 @@ def test_a_failure_on_the_reference_says_it_is_not_the_image(cli, python: Path, 
     error = result.json()
     assert "vllm/sequence.py:1" in error["error"] and "NotInThisRelease" in error["error"], error
     assert "not on the image's own files" in error["fix"] and "toolkit vendor pull" in error["fix"], error
+
+
+def test_ten_kv_caches_serve_the_hybrid_model_as_forty_did(cli, python: Path, corex_rootfs: Path,
+                                                          adapter_args: list[str], transformers_455: Path,
+                                                          tmp_path: Path) -> None:
+    """Through vLLM's own code with the patched config (transformers 4.55.3 + the adapter's config packages +
+    the hybrid-kv-accounting transforms): full_attention counts 10 layers (163,840 B per block at TP 4), and the
+    vendor's CacheEngine allocates 10 caches; the stand-in adapter's model (linear layers on the mamba state,
+    full-attention layers on kv_caches[attn_idx]) gives the same tokens and logits over them as over legacy40's
+    40; a mutant that indexes the caches by layer number fails on 10."""
+    site = transformers_site(corex_rootfs, transformers_455, full=True)
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *adapter_args,
+               "--package-root", f"transformers={site}").code == 0
+    env = dict(runtime_env(tmp_path, site, roots_of(corex_rootfs)[1]), VLLM_ATTENTION_BACKEND="XFORMERS")
+    proc = subprocess.run([str(python), str(REPO / "tests" / "runtime_kv.py")], capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    full, legacy = got["full_attention"], got["legacy40"]
+    assert (full["attention_layers"], full["block_bytes"], full["allocated_caches"]) == (10, 163840, 10)
+    assert (legacy["attention_layers"], legacy["block_bytes"], legacy["allocated_caches"]) == (40, 655360, 40)
+    assert full["tokens"] == legacy["tokens"] and got["max_abs_logit_diff"] == 0.0
+    assert full["smallest_logit_spread"] > 1e-3  # real logits, not a constant compared with itself
+    assert len(set(map(tuple, full["tokens"]))) > 1  # the greedy tokens change from step to step
+    assert full["mutant"].startswith("IndexError"), full["mutant"]

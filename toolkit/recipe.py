@@ -140,6 +140,23 @@ class ConfigFallback(Strict):
     architecture: Identifier = Field(description="e.g. Qwen2MoeForCausalLM")
 
 
+class KvAccountingSwitch(Strict):
+    """The served config's classes compute layers_block_type themselves, as an env switch decides (the flagship's
+    hybrid-kv-accounting transforms): lint and preflight count what vLLM will count for each variant's env."""
+
+    switch: str = Field(pattern=ENV_PATTERN, description="The env var, e.g. HYBRID_KV_ACCOUNTING")
+    when: str = Field(description="The value under which only the full-attention layers count, e.g. full_attention")
+    otherwise: str = Field(description="The value under which every layer counts (vLLM's own count), e.g. legacy40")
+    default: str = Field(description="What the config classes use when the env does not set the switch")
+
+    @model_validator(mode="after")
+    def _default_is_a_value(self) -> KvAccountingSwitch:
+        if self.default not in (self.when, self.otherwise):
+            raise ValueError(f"default {self.default!r} is neither `when` ({self.when!r}) nor `otherwise` "
+                             f"({self.otherwise!r})")
+        return self
+
+
 class ModelShape(Strict):
     """What the KV-cache estimate needs to know about the served model."""
 
@@ -158,9 +175,26 @@ class ModelShape(Strict):
     model_type: str | None = Field(default=None, description="The served config's model_type, e.g. qwen3_5_moe")
     num_attention_heads: int | None = Field(
         default=None, ge=1, description="Query heads of a full-attention layer (default hidden/head_dim)")
-    layers_block_type: bool = Field(
-        default=False, description="Whether the served config declares layers_block_type; without it vLLM 0.6.3 "
-        "counts every layer as attention when it sizes the KV cache")
+    layers_block_type: bool | KvAccountingSwitch = Field(
+        default=False, description="Whether the served config declares layers_block_type (true: serialized in its "
+        "config.json), or the env switch under which its config classes compute it; without it vLLM 0.6.3 counts "
+        "every layer as attention when it sizes the KV cache")
+    text_config: bool = Field(
+        default=False, description="The served config.json keeps the text model's shape under text_config (a "
+        "composite config such as Qwen3.5/3.6's); preflight writes it so")
+    def counts_full_attention_only(self, env: dict[str, str]) -> bool:
+        """Whether vLLM 0.6.3 counts only the full-attention layers, with this env."""
+        rule = self.layers_block_type
+        if isinstance(rule, bool):
+            return rule
+        return env.get(rule.switch, rule.default) == rule.when
+
+    def accounting_source(self, env: dict[str, str]) -> str:
+        rule = self.layers_block_type
+        if isinstance(rule, bool):
+            return "layers_block_type"
+        return f"layers_block_type, {rule.switch}={env.get(rule.switch, rule.default)}"
+
     config_fallback: ConfigFallback | None = Field(
         default=None, description="What preflight builds the config as when the served model's config classes come "
         "from a source that is not available here (the vendor's config checks still run; the architecture is not "

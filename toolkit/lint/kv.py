@@ -66,20 +66,25 @@ class KvEstimate:
 
 def estimate(model: ModelShape, *, card_gib: float, overhead_gib: float, tp: int, max_model_len: int,
              max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
-             kv_cache_dtype: str = "auto") -> KvEstimate:
+             kv_cache_dtype: str = "auto", env: dict[str, str] | None = None) -> KvEstimate:
+    """env: the server's environment (a variant's), which decides the accounting when the config classes compute
+    layers_block_type from a switch."""
     dtype = DTYPE_BYTES[model.dtype]
     kv_dtype = DTYPE_BYTES.get(kv_cache_dtype, 0) or dtype
     full_layers = sum(1 for i in range(model.num_layers) if (i + 1) % model.full_attention_interval == 0)
     linear_layers = model.num_layers - full_layers
     kv_heads = max(1, model.num_kv_heads // tp)  # vLLM replicates KV heads when TP exceeds them
     # vLLM 0.6.3's ModelConfig.get_num_attention_layers: every layer, unless the config's layers_block_type says
-    if model.layers_block_type:
-        attention_layers, accounting = full_layers, f"{full_layers} full-attention layers (layers_block_type)"
+    env = env or {}
+    if model.counts_full_attention_only(env):
+        attention_layers = full_layers
+        accounting = f"{full_layers} full-attention layers ({model.accounting_source(env)})"
     else:
         attention_layers = model.num_layers
-        accounting = (f"all {model.num_layers} layers: the served config declares no layers_block_type, so vLLM "
-                      "0.6.3 counts every layer as attention" if full_layers != model.num_layers
-                      else f"{model.num_layers} attention layers")
+        why = ("the served config declares no layers_block_type" if isinstance(model.layers_block_type, bool)
+               else f"its config classes count every layer with {model.accounting_source(env).split(', ')[1]}")
+        accounting = (f"all {model.num_layers} layers: {why}, so vLLM 0.6.3 counts every layer as attention"
+                      if full_layers != model.num_layers else f"{model.num_layers} attention layers")
     per_token = attention_layers * 2 * kv_heads * model.head_dim * kv_dtype
     tokens = -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE
     linear = 0

@@ -144,7 +144,7 @@ def kv_cache(ctx: LintContext) -> Iterator[Issue]:
                    max_num_seqs=ctx.int_arg("max-num-seqs", 256) or 256,
                    max_num_batched_tokens=ctx.max_num_batched_tokens() or max_len,
                    gpu_memory_utilization=ctx.float_arg("gpu-memory-utilization", 0.9),
-                   kv_cache_dtype=str(ctx.arg("kv-cache-dtype") or "auto"))
+                   kv_cache_dtype=str(ctx.arg("kv-cache-dtype") or "auto"), env=dict(ctx.recipe.env))
     ctx.extra["kv_estimate"] = est.as_json()
     if not est.fits:
         yield Issue("kv-cache", E, f"the KV cache cannot hold one {max_len}-token sequence: {est.summary()}",

@@ -29,6 +29,7 @@ from toolkit.submission.render import argv
 from toolkit.transforms.deploy import Deploy
 from toolkit.trial import reference_rootfs, untried_here
 from toolkit.variants import Variant
+from toolkit.variants import find as find_variant
 
 PROBE = Path(__file__).with_name("probe.py")
 # read by the interpreter or the platform, not by code in the tree
@@ -69,27 +70,38 @@ class Outcome:
                 "not_checked": self.not_checked, "standins": self.standins}
 
 
-def model_config(model: ModelShape, max_model_len: int, folder: Path, fallback: bool = False) -> Path:
+def model_config(model: ModelShape, max_model_len: int, folder: Path, fallback: bool = False,
+                 env: dict[str, str] | None = None) -> Path:
     """A config.json with the recipe's model shape (no weights: the vendor's config code reads only this).
 
-    fallback: as the recipe's config_fallback model, when the served model's config classes are not here."""
+    fallback: as the recipe's config_fallback model, when the served model's config classes are not here; a flat
+    config that serializes layers_block_type where the served config's classes would compute it (with `env`)."""
     if fallback and model.config_fallback is not None:
         model = model.model_copy(update={"architecture": model.config_fallback.architecture,
-                                         "model_type": model.config_fallback.model_type})
+                                         "model_type": model.config_fallback.model_type, "text_config": False,
+                                         "layers_block_type": model.counts_full_attention_only(env or {})})
     if model.architecture is None or model.model_type is None:
         raise ToolkitError("preflight needs the served model's architecture and model_type",
                            hint="set model.architecture and model.model_type in the recipe, or pass "
                            "--model-config DIR (a folder with the model's config.json)")
     layers = ["attention" if (i + 1) % model.full_attention_interval == 0 else "linear_attention"
               for i in range(model.num_layers)]
-    data: dict[str, Any] = {
-        "architectures": [model.architecture], "model_type": model.model_type, "hidden_size": model.hidden_size,
-        "num_hidden_layers": model.num_layers, "head_dim": model.head_dim, "num_key_value_heads": model.num_kv_heads,
+    shape: dict[str, Any] = {
+        "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers, "head_dim": model.head_dim,
+        "num_key_value_heads": model.num_kv_heads,
         "num_attention_heads": model.num_attention_heads or model.hidden_size // model.head_dim,
         "max_position_embeddings": max(max_model_len, 262144), "torch_dtype": model.dtype, "vocab_size": 32000,
         "rms_norm_eps": 1e-6,
+        "layer_types": ["full_attention" if (i + 1) % model.full_attention_interval == 0 else "linear_attention"
+                        for i in range(model.num_layers)],
+        "full_attention_interval": model.full_attention_interval,
     }
-    if model.layers_block_type:
+    data: dict[str, Any] = {"architectures": [model.architecture], "model_type": model.model_type}
+    if model.text_config:  # a composite config (Qwen3.5/3.6): the text model's shape under text_config
+        data.update(torch_dtype=model.dtype, text_config=shape)
+    else:
+        data.update(shape)
+    if model.layers_block_type is True:  # serialized by the checkpoint (a switch: the config classes compute it)
         data["layers_block_type"] = layers
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(data, indent=2))
@@ -236,12 +248,15 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
                 kept.append(word)
             max_len = applied.serve.args.get("max-model-len")
             folder = model_dir or model_config(recipe.model or _no_model(), int(str(max_len or 4096)),
-                                               Path(tmp) / variant.name, fallback)
+                                               Path(tmp) / variant.name, fallback, dict(applied.env))
             requests.append({"name": variant.name, "argv": kept, "model_dir": str(folder), "env": dict(applied.env)})
             outcome.lint_errors = [f"{i.rule}: {i.message}" for i in lint(loaded, applied, variant=variant.name).issues
                                    if i.severity is Severity.ERROR]
             outcomes.append(outcome)
+        # both accountings come from the served config's classes; a fallback config serializes one of them
+        switch = recipe.model.layers_block_type if recipe.model is not None and not fallback else None
         request = {"hardware": {"count": recipe.hardware.count, "memory_gb": recipe.hardware.memory_gb},
+                   "kv_switch": switch.model_dump() if not isinstance(switch, bool | None) else None,
                    "attention_backends": recipe.base_image.attention_backends,
                    "variants": requests, "roots": [str(tree.vendor)], "trees": [str(p) for p in tree.paths],
                    "env": sorted(recipe.env)}
@@ -262,6 +277,12 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
                 outcome.not_checked.append(f"the served architecture (config built as the recipe's config_fallback "
                                            f"{stage.message.split(' -> ')[0]}: the served model's config classes come "
                                            f"from {', '.join(sorted(missing_sources))})")
+                rule = recipe.model.layers_block_type if recipe.model is not None else False
+                if not isinstance(rule, bool):
+                    outcome.not_checked.append(
+                        f"the layers_block_type the served config classes compute ({rule.switch}): the fallback "
+                        "config declares what they would, so the vendor's KV numbers hold only if the transforms on "
+                        "them apply (the in-image step tries them)")
                 continue
             outcome.stages.append(stage)
         outcome.config = data.get("config", {})
@@ -337,19 +358,30 @@ def kv_summary(recipe: Recipe, outcome: Outcome) -> str | None:
     if not kv or recipe.model is None:
         return None
     args = outcome.config
+    env = find_variant(recipe, outcome.variant).apply(recipe).env
     est = estimate(recipe.model, card_gib=recipe.hardware.memory_gb, overhead_gib=recipe.hardware.runtime_overhead_gb,
                    tp=int(args.get("tensor_parallel_size", 1)), max_model_len=int(args.get("max_model_len", 1)),
                    max_num_seqs=int(args.get("max_num_seqs", 1)),
                    max_num_batched_tokens=int(args.get("max_num_batched_tokens", 1)),
-                   gpu_memory_utilization=float(args.get("gpu_memory_utilization", 0.9)))
+                   gpu_memory_utilization=float(args.get("gpu_memory_utilization", 0.9)), env=dict(env))
     per_token = int(kv["bytes_per_token"])
-    fits = est.kv_available_gib * GIB / (per_token * int(args["max_model_len"]))
+    max_len = int(args["max_model_len"])
+
+    def fits(bytes_per_token: int) -> float:
+        return est.kv_available_gib * GIB / (bytes_per_token * max_len)
+
     agree = "agrees with lint" if per_token == est.kv_per_token_bytes else (
         f"DISAGREES with lint's {est.kv_per_token_bytes} B/token")
-    return (f"KV: the vendor's CacheEngine block is {kv['block_bytes']} B ({kv['block_size']} tokens, "
+    said = (f"KV: the vendor's CacheEngine block is {kv['block_bytes']} B ({kv['block_size']} tokens, "
             f"{kv['attention_layers']} of {kv['layers']} layers counted), {per_token} B/token/card, {agree}; "
-            f"{fits:.2f} sequence(s) of {args['max_model_len']} tokens fit per card in lint's "
+            f"{fits(per_token):.2f} sequence(s) of {max_len} tokens fit per card in lint's "
             f"{est.kv_available_gib:.2f} GiB")
+    both = kv.get("accountings") or {}
+    if both:
+        said += f"; by {kv['switch']}: " + "; ".join(
+            f"{value}: {a['attention_layers']} layers, {a['block_bytes']} B per block, "
+            f"{fits(int(a['bytes_per_token'])):.2f} sequence(s) per card" for value, a in both.items())
+    return said
 
 
 

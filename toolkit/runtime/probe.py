@@ -130,18 +130,37 @@ def _stages(request: dict[str, Any], variant: dict[str, Any], out: dict[str, Any
         "gpu_memory_utilization": config.cache_config.gpu_memory_utilization,
     }
     try:
-        from vllm.worker.cache_engine import CacheEngine
-
-        block = CacheEngine.get_cache_block_size(config.cache_config, config.model_config, config.parallel_config)
-        out["kv"] = {"block_bytes": block, "block_size": config.cache_config.block_size,
-                     "bytes_per_token": block // config.cache_config.block_size,
-                     "attention_layers": config.model_config.get_num_attention_layers(config.parallel_config),
-                     "layers": config.model_config.get_num_layers(config.parallel_config)}
+        out["kv"] = _kv(config)
+        switch = request.get("kv_switch")
+        if switch:  # the other accounting too, as the config classes compute it under each value of the switch
+            accountings = {}
+            for value in (switch["when"], switch["otherwise"]):
+                saved = os.environ.get(switch["switch"])
+                os.environ[switch["switch"]] = value
+                try:
+                    accountings[value] = _kv(config)
+                finally:
+                    os.environ.pop(switch["switch"])
+                    if saved is not None:
+                        os.environ[switch["switch"]] = saved
+            out["kv"]["switch"] = switch["switch"]
+            out["kv"]["accountings"] = accountings
     except Exception as exc:
         stages.append(_failure("kv", exc))
     stages.extend(_attention(request, config))
     stages.extend(_registrations(args, config))
     return out
+
+
+def _kv(config: Any) -> dict[str, Any]:
+    """The vendor's own numbers: the CacheEngine block size and how many layers it allocates a cache for."""
+    from vllm.worker.cache_engine import CacheEngine
+
+    block = CacheEngine.get_cache_block_size(config.cache_config, config.model_config, config.parallel_config)
+    return {"block_bytes": block, "block_size": config.cache_config.block_size,
+            "bytes_per_token": block // config.cache_config.block_size,
+            "attention_layers": config.model_config.get_num_attention_layers(config.parallel_config),
+            "layers": config.model_config.get_num_layers(config.parallel_config)}
 
 
 # what each backend's get_name() says (the multi-step runner compares those strings)
@@ -255,7 +274,7 @@ def main() -> int:
         result["vllm"] = vllm.utils.__file__.rsplit("/vllm/", 1)[0]
         for variant in request["variants"]:
             result["variants"].append(_variant(request, variant))
-        result["env"] = _env_reads(request["roots"], request["env"])
+        result["env"] = _env_reads(request.get("trees", request["roots"]), request["env"])  # packages' files too
     standins = sys.modules.get("toolkit_standins")  # installed by the runtime's sitecustomize, when declared
     result["standins"] = getattr(standins, "RECORD", None)
     json.dump(result, out)
