@@ -155,3 +155,31 @@ def test_preflight_lists_what_it_stood_in(cli, runtime_python: Path) -> None:
     assert notes[0].endswith("preflight called none of them")
     standins_seen = result.json()["variants"][0]["standins"]
     assert "ixformer.functions" in standins_seen["modules"]
+
+
+def test_a_compiled_extension_a_copy_lacks_is_stood_in_by_its_dotted_name(tmp_path: Path) -> None:
+    (tmp_path / "tree" / "vpkg").mkdir(parents=True)
+    (tmp_path / "tree" / "vpkg" / "__init__.py").write_text("REAL = True\n")
+    proc = run(tmp_path, "import vpkg, vpkg._C as c; print(vpkg.REAL, c.__name__)", libraries="vpkg._C")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "vpkg._C"]  # the package stays the real one; only _C is stood in
+    proc = run(tmp_path, "import vpkg._C", libraries="")
+    assert proc.returncode != 0 and "No module named 'vpkg._C'" in proc.stderr
+
+
+def test_the_missing_module_the_error_names(tmp_path: Path) -> None:
+    from toolkit.recipe import load_recipe
+    from toolkit.runtime.preflight import Tree, _import_failure
+
+    (tmp_path / "vllm").mkdir()
+    tree = Tree([tmp_path], tmp_path, {}, "a test tree")
+    loaded = load_recipe(FLAGSHIP)
+    missing_extension = _import_failure(loaded, tree, {"type": "ModuleNotFoundError", "module": "vllm._C",
+                                                       "where": "vllm/_custom_ops.py:12"})
+    assert "add vllm._C to base_image.gpu_libraries" in (missing_extension.hint or "")
+    missing_library = _import_failure(loaded, tree, {"type": "ModuleNotFoundError", "module": "ixformer.functions",
+                                                     "where": "vllm/_custom_ops.py:13"})
+    assert "add ixformer to base_image.gpu_libraries" in (missing_library.hint or "")
+    other = _import_failure(loaded, tree, {"type": "ImportError", "message": "cannot import name X",
+                                           "where": "vllm/sequence.py:3"})
+    assert "vllm/sequence.py:3" in other.message

@@ -41,11 +41,11 @@ class BaseImage(Strict):
     attention_backends: list[str] = Field(
         default_factory=lambda: ["XFORMERS"],
         description="Attention backends the image can load; the first is the one vLLM picks by default")
-    gpu_libraries: list[Identifier] = Field(
+    gpu_libraries: list[DottedName] = Field(
         default_factory=list,
-        description="Top-level modules only the image has (its GPU libraries, e.g. ixformer, xformers) that the "
-        "vendor tree imports at module level: preflight and the CPU runtime stand them in (importable; a call "
-        "from a function raises, naming it and the caller)")
+        description="Modules only the image has that the vendor tree imports at module level: its GPU libraries "
+        "(e.g. ixformer, xformers), or a compiled extension a copy of the tree lacks (e.g. vllm._C). Preflight "
+        "and the CPU runtime stand them in (importable; a call from a function raises, naming it and the caller)")
 
 
 class Vendor(Strict):

@@ -337,17 +337,19 @@ def _where_hint(tree: Tree) -> str:
 
 def _import_failure(loaded: LoadedRecipe, tree: Tree, failed: dict[str, Any]) -> ToolkitError:
     """`import vllm` failed: an undeclared GPU library names the field to add it to; anything else says where."""
-    recipe = loaded.recipe
     module = str(failed.get("module") or "")
-    top = module.split(".")[0]
     where = failed.get("where") or "a file outside the patched trees"
-    if failed.get("type") == "ModuleNotFoundError" and top and top not in recipe.base_image.gpu_libraries:
+    if failed.get("type") == "ModuleNotFoundError" and module:
+        # the missing module's own name when its package is in the tree (a compiled extension a copy lacks),
+        # else its top-level library
+        top = module.split(".")[0]
+        name = module if any((Path(p) / top).is_dir() for p in tree.paths) else top
         line = loaded.line_of("base_image", "gpu_libraries") or loaded.line_of("base_image")
         return ToolkitError(
-            f"the patched tree imports {module!r} at {where}, and {top} is neither installed in the CPU runtime "
+            f"the patched tree imports {module!r} at {where}, and {name} is neither installed in the CPU runtime "
             f"nor declared as a GPU library of the image ({tree.where})",
-            hint=f"if only the image has it, add {top} to base_image.gpu_libraries ({loaded.path}:{line}): preflight "
-            "then stands it in; if it is a pure-Python package, the runtime lacks it (report it)")
+            hint=f"if only the image has it, add {name} to base_image.gpu_libraries ({loaded.path}:{line}): "
+            "preflight then stands it in; if it is a pure-Python package, the runtime lacks it (report it)")
     return ToolkitError(f"importing the patched vLLM failed at {where}: {failed.get('type')}: {failed.get('message')}",
                         hint=_where_hint(tree))
 

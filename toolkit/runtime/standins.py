@@ -88,7 +88,7 @@ class _StandInMeta(type):
             # a decorator (or its factory) applied while a module or class is defined: stand in for the result
             return standin(f"{name}(...)")
         RECORD["calls"].append({"name": name, "where": where, "mapped": None})
-        library = name.split(".")[0]
+        library = next((n for n in RECORD["libraries"] if name == n or name.startswith(n + ".")), name.split(".")[0])
         raise StandInCalled(f"{name} called from {where}: {library} is a GPU library of the image, stood in on this "
                             f"CPU (base_image.gpu_libraries); this code path runs only on the image")
 
@@ -114,7 +114,7 @@ class _StandInModule(types.ModuleType):
 class _Loader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = _StandInModule(spec.name)
-        module.__file__ = f"<toolkit stand-in for the GPU library {spec.name.split('.')[0]}>"
+        module.__file__ = f"<toolkit stand-in for the GPU library module {spec.name}>"
         RECORD["modules"].append(spec.name)
         return module
 
@@ -128,7 +128,9 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname.split(".")[0] not in self.libraries:
+        # a top-level library, or a module under a package that is here but lacks it (a copy without its
+        # compiled extensions: vllm._C); this finder is the last one asked, so what exists always wins
+        if not any(fullname == name or fullname.startswith(name + ".") for name in self.libraries):
             return None
         return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
 
