@@ -29,7 +29,7 @@ from toolkit.inputs import (
 )
 from toolkit.lint import lint
 from toolkit.pinned import parse_source_override, resolve_pinned
-from toolkit.recipe import LoadedRecipe, Recipe, json_schema, load_recipe
+from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
 from toolkit.report import emit
 from toolkit.results import Report, Severity, State
 from toolkit.submission.build import build as build_submission
@@ -348,34 +348,10 @@ def cmd_vendor_pull(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _vendor_libraries(recipe: Recipe, imported: list[str], notes: list[str]) -> tuple[list[str], list[str]]:
-    """Of the modules the vendor tree imports and no candidate does, those the CPU runtime lacks are the vendor's
-    libraries (when the runtime is built; else all of them), and which of those the recipe does not declare."""
+def cmd_vendor_compare(args: argparse.Namespace) -> int:
+    from toolkit.compare import compare, neighbours, package_dir, report_of
     from toolkit.pyenv import importable
     from toolkit.runtime.env import built
-
-    if not imported:
-        return [], []
-    python = built()
-    installed = {m for m, ok in importable(python, imported).items() if ok} if python else set()
-    libraries = [m for m in imported if m not in installed]
-    undeclared = [m for m in libraries if m not in recipe.base_image.gpu_libraries]
-    said = f"the vendor tree imports modules no candidate imports: {', '.join(imported)}"
-    if installed:
-        said += f" ({', '.join(sorted(installed))} installed in the CPU runtime)"
-    elif python is None:
-        said += " (no CPU runtime here to tell installed packages from the vendor's libraries)"
-    if undeclared:
-        said += (f"; not in base_image.gpu_libraries: {', '.join(undeclared)}: add the GPU-only ones there, or "
-                 "preflight cannot import the tree")
-    elif libraries:
-        said += f"; the vendor's libraries {', '.join(libraries)} are declared in base_image.gpu_libraries"
-    notes.append(said)
-    return libraries, undeclared
-
-
-def cmd_vendor_compare(args: argparse.Namespace) -> int:
-    from toolkit.compare import compare, neighbours, package_dir
 
     loaded = load_recipe(args.recipe)
     recipe = loaded.recipe
@@ -383,44 +359,15 @@ def cmd_vendor_compare(args: argparse.Namespace) -> int:
         raise ToolkitError("give the vendor tree as --rootfs DIR or as --root DIR",
                            hint="--rootfs: a folder laid out like the image (what `toolkit vendor pull` wrote); "
                            f"--root: a folder holding {recipe.vendor.package}/, or {recipe.vendor.package}/ itself")
-    if args.rootfs:
-        vendor = package_dir(rootfs_roots(recipe, Path(args.rootfs))[0].path, recipe.vendor.package)
-    else:
-        vendor = package_dir(Path(args.root), recipe.vendor.package)
+    root = rootfs_roots(recipe, Path(args.rootfs))[0].path if args.rootfs else Path(args.root)
+    vendor = package_dir(root, recipe.vendor.package)
     specs = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else \
         neighbours(recipe.vendor.reference)
     result = compare(vendor, recipe.vendor.package, specs, recipe.base_image.python, recipe.base_image.platform,
                      guessed=not args.candidates)
-    closest = result.closest
-    rows = tuple((c.spec, str(c.identical), str(len(c.differing)), str(c.diff_lines), str(len(c.only_vendor)),
-                  str(len(c.only_upstream)), "closest" if c is closest else "") for c in result.candidates)
-    notes = [f"{vendor} is closest to {closest.spec}: {closest.identical} file(s) identical, {len(closest.differing)} "
-             f"differ ({closest.diff_lines} diff lines), {len(closest.only_vendor)} only in the vendor tree, "
-             f"{len(closest.only_upstream)} only upstream (Python files, line endings normalised)"]
-    line = loaded.line_of("vendor", "reference")
-    if closest.spec != recipe.vendor.reference:
-        notes.append(f"vendor.reference ({loaded.path}:{line}) is {recipe.vendor.reference}, not the closest: set it "
-                     f"to {closest.spec} so the trial and preflight run on the vendor's true base")
-    else:
-        notes.append(f"vendor.reference ({loaded.path}:{line}) is the closest candidate")
-    libraries, undeclared = _vendor_libraries(recipe, result.vendor_libraries(), notes)
-    shown = sorted(closest.differing, key=lambda d: -d.diff_lines)
-    for d in shown[:args.top]:
-        notes.append(f"differs from {closest.spec}: {d.file} ({d.diff_lines} diff lines"
-                     + (f"; imports {', '.join(d.vendor_imports)}" if d.vendor_imports else "") + ")")
-    if len(shown) > args.top:
-        notes.append(f"... and {len(shown) - args.top} more differing file(s) (--top N, or --json for all)")
-    for d in closest.only_vendor:
-        notes.append(f"only in the vendor tree: {d.file}"
-                     + (f" (imports {', '.join(d.vendor_imports)})" if d.vendor_imports else ""))
-    notes.extend(f"candidate {spec} not compared: {why}" for spec, why in result.missing)
-    report = Report("vendor compare", str(loaded.path), notes=tuple(notes), rows=rows,
-                    columns=("candidate", "identical", "differing", "diff lines", "only vendor", "only upstream", ""),
-                    extra={"vendor": str(vendor), "closest": closest.spec, "vendor_libraries": libraries,
-                           "undeclared_gpu_libraries": undeclared,
-                           "candidates": [c.as_json() for c in result.candidates],
-                           "not_compared": [{"candidate": s, "why": w} for s, w in result.missing]})
-    emit(report, as_json=args.json)
+    python = built()  # tells the vendor's libraries from packages the runtime has, when it is built
+    installed = {m for m, ok in importable(python, result.vendor_libraries()).items() if ok} if python else None
+    emit(report_of(loaded, result, installed, args.top), as_json=args.json)
     return EXIT_OK
 
 

@@ -22,6 +22,8 @@ from packaging.version import InvalidVersion, Version
 
 from toolkit.errors import InputError
 from toolkit.inputs import fetch_reference
+from toolkit.recipe import LoadedRecipe
+from toolkit.results import Report
 
 
 @dataclass(frozen=True)
@@ -174,3 +176,53 @@ def compare(vendor: Path, package: str, specs: Iterable[str], python: str, platf
     candidates.sort(key=Candidate.rank)
     return Comparison(package, vendor.parent, tuple(candidates), tuple(missing))
 
+
+
+def report_of(loaded: LoadedRecipe, result: Comparison, installed: set[str] | None, top: int = 12) -> Report:
+    """The `vendor compare` report: a row per candidate, the closest, the vendor's libraries, the files.
+
+    installed: which of the vendor-only imports the CPU runtime has (None: no runtime here to ask)."""
+    recipe = loaded.recipe
+    closest = result.closest
+    rows = tuple((c.spec, str(c.identical), str(len(c.differing)), str(c.diff_lines), str(len(c.only_vendor)),
+                  str(len(c.only_upstream)), "closest" if c is closest else "") for c in result.candidates)
+    notes = [f"{result.tree / result.package} is closest to {closest.spec}: {closest.identical} file(s) identical, "
+             f"{len(closest.differing)} differ ({closest.diff_lines} diff lines), {len(closest.only_vendor)} only in "
+             f"the vendor tree, {len(closest.only_upstream)} only upstream (Python files, line endings normalised)"]
+    line = loaded.line_of("vendor", "reference")
+    if closest.spec != recipe.vendor.reference:
+        notes.append(f"vendor.reference ({loaded.path}:{line}) is {recipe.vendor.reference}, not the closest: set it "
+                     f"to {closest.spec} so the trial and preflight run on the vendor's true base")
+    else:
+        notes.append(f"vendor.reference ({loaded.path}:{line}) is the closest candidate")
+    imported = result.vendor_libraries()
+    libraries = [m for m in imported if m not in (installed or set())]
+    undeclared = [m for m in libraries if m not in recipe.base_image.gpu_libraries]
+    if imported:
+        said = f"the vendor tree imports modules no candidate imports: {', '.join(imported)}"
+        if installed:
+            said += f" ({', '.join(sorted(installed))} installed in the CPU runtime)"
+        elif installed is None:
+            said += " (no CPU runtime here to tell installed packages from the vendor's libraries)"
+        if undeclared:
+            said += (f"; not in base_image.gpu_libraries: {', '.join(undeclared)}: add the GPU-only ones there, or "
+                     "preflight cannot import the tree")
+        elif libraries:
+            said += f"; the vendor's libraries {', '.join(libraries)} are declared in base_image.gpu_libraries"
+        notes.append(said)
+    shown = sorted(closest.differing, key=lambda d: -d.diff_lines)
+    for d in shown[:top]:
+        notes.append(f"differs from {closest.spec}: {d.file} ({d.diff_lines} diff lines"
+                     + (f"; imports {', '.join(d.vendor_imports)}" if d.vendor_imports else "") + ")")
+    if len(shown) > top:
+        notes.append(f"... and {len(shown) - top} more differing file(s) (--top N, or --json for all)")
+    for d in closest.only_vendor:
+        notes.append(f"only in the vendor tree: {d.file}"
+                     + (f" (imports {', '.join(d.vendor_imports)})" if d.vendor_imports else ""))
+    notes.extend(f"candidate {spec} not compared: {why}" for spec, why in result.missing)
+    return Report("vendor compare", str(loaded.path), notes=tuple(notes), rows=rows,
+                  columns=("candidate", "identical", "differing", "diff lines", "only vendor", "only upstream", ""),
+                  extra={"vendor": str(result.tree / result.package), "closest": closest.spec,
+                         "vendor_libraries": libraries, "undeclared_gpu_libraries": undeclared,
+                         "candidates": [c.as_json() for c in result.candidates],
+                         "not_compared": [{"candidate": s, "why": w} for s, w in result.missing]})
