@@ -20,6 +20,7 @@ import yaml
 from conftest import FLAGSHIP, TRANSFORMERS_SITE, roots_of, transformers_site, tree_digest
 from standin_adapter import SOURCE
 
+from toolkit import __version__
 from toolkit.recipe import load_recipe
 from toolkit.submission.render import render
 
@@ -115,7 +116,8 @@ def test_bundled_build_carries_only_the_used_files(cli, corex_rootfs: Path, stan
     digests = json.loads((out / "toolkit_payload/sources/qwen36-adapter.digests.json").read_text())
     assert sorted(digests) == bundled
     manifest = json.loads((out / "toolkit_payload/MANIFEST.json").read_text())
-    assert "sources/qwen36-adapter/qwen3_5.py" in manifest
+    assert "sources/qwen36-adapter/qwen3_5.py" in manifest["files"]
+    assert manifest["toolkit_version"] == __version__
     assert (out / "toolkit_payload/packages/transformers-4.55.3-py3-none-any.whl").is_file()
     assert cli("check", out).code == 0
     site = transformers_site(corex_rootfs, transformers_455)

@@ -13,6 +13,7 @@ import pytest
 from conftest import FLAGSHIP, REPO, tree_digest
 
 from toolkit import cli as cli_mod
+from toolkit.commands import build as build_verb
 from toolkit.recipe import load_recipe
 from toolkit.submission.build import check_outdir, protected_problem, replaceable_problem
 
@@ -158,7 +159,7 @@ def test_an_interrupt_after_writing_says_the_submission_is_complete(cli, tmp_pat
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_mod, "verify_submission", interrupted)  # the slow linters run after the swap
+    monkeypatch.setattr(build_verb, "verify_submission", interrupted)  # the slow linters run after the swap
     result = cli("build", FLAGSHIP, "-o", out)
     assert result.code == 130
     assert "nothing half-written" not in result.err

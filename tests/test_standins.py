@@ -169,17 +169,17 @@ def test_a_compiled_extension_a_copy_lacks_is_stood_in_by_its_dotted_name(tmp_pa
 
 def test_the_missing_module_the_error_names(tmp_path: Path) -> None:
     from toolkit.recipe import load_recipe
-    from toolkit.runtime.preflight import Tree, _import_failure
+    from toolkit.runtime.preflight import Tree, import_failure
 
     (tmp_path / "vllm").mkdir()
     tree = Tree([tmp_path], tmp_path, {}, "a test tree")
     loaded = load_recipe(FLAGSHIP)
-    missing_extension = _import_failure(loaded, tree, {"type": "ModuleNotFoundError", "module": "vllm._C",
+    missing_extension = import_failure(loaded, tree, {"type": "ModuleNotFoundError", "module": "vllm._C",
                                                        "where": "vllm/_custom_ops.py:12"})
     assert "add vllm._C to base_image.gpu_libraries" in (missing_extension.hint or "")
-    missing_library = _import_failure(loaded, tree, {"type": "ModuleNotFoundError", "module": "ixformer.functions",
+    missing_library = import_failure(loaded, tree, {"type": "ModuleNotFoundError", "module": "ixformer.functions",
                                                      "where": "vllm/_custom_ops.py:13"})
     assert "add ixformer to base_image.gpu_libraries" in (missing_library.hint or "")
-    other = _import_failure(loaded, tree, {"type": "ImportError", "message": "cannot import name X",
+    other = import_failure(loaded, tree, {"type": "ImportError", "message": "cannot import name X",
                                            "where": "vllm/sequence.py:3"})
     assert "vllm/sequence.py:3" in other.message

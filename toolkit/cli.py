@@ -1,54 +1,29 @@
-"""The `toolkit` command: one small function per verb, each returning an exit code."""
+"""The `toolkit` command: it turns arguments into the requests of toolkit.commands and prints their reports."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import shlex
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from toolkit import __version__
-from toolkit.engine.plan import Engine, run_packages
-from toolkit.engine.state import make_lock
-from toolkit.engine.verify import verify_tree
-from toolkit.engine.writer import commit
-from toolkit.errors import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_SUPERSEDED, ToolkitError
-from toolkit.inputs import (
-    Root,
-    package_roots,
-    parse_package_roots,
-    reference_root,
-    rootfs_roots,
-)
-from toolkit.lint import lint
-from toolkit.pinned import parse_source_override, resolve_pinned
-from toolkit.recipe import LoadedRecipe, json_schema, load_recipe
+from toolkit.commands import bench as bench_cmd
+from toolkit.commands import build as build_cmd
+from toolkit.commands import lint as lint_cmd
+from toolkit.commands import preflight as preflight_cmd
+from toolkit.commands import tree as tree_cmd
+from toolkit.commands import vendor as vendor_cmd
+from toolkit.commands.common import Inputs
+from toolkit.commands.progress import PROGRESS
+from toolkit.commands.schema import schema_text
+from toolkit.errors import EXIT_OK, ToolkitError
+from toolkit.inputs import parse_package_roots
+from toolkit.pinned import parse_source_override
 from toolkit.report import emit
-from toolkit.results import Report, Severity, State
-from toolkit.submission.build import build as build_submission
-from toolkit.submission.build import (
-    build_all_variants,
-    check_outdir,
-    files_by_kind,
-    server_command,
-    used_sources,
-)
-from toolkit.submission.build import push as push_submission
-from toolkit.submission.check import verify_submission
-from toolkit.trial import try_recipe
-from toolkit.variants import Variant
-from toolkit.variants import expand as expand_variants
-from toolkit.variants import find as find_variant
-
-if TYPE_CHECKING:
-    from toolkit.bench.client import Conversation, Settings
+from toolkit.results import Report
 
 EPILOG = """\
 exit codes:
@@ -64,7 +39,7 @@ examples:
   toolkit check ../submission                                    # LF, linters, run config, payload
   toolkit apply recipes/bi100-qwen36.yaml --rootfs /            # inside the image
   toolkit apply recipes/bi100-qwen36.yaml --rootfs ./rootfs --json
-  toolkit diff recipes/bi100-qwen36.yaml --reference --stat      # against vllm==0.6.3.post1 from PyPI
+  toolkit diff recipes/bi100-qwen36.yaml --reference --stat      # against vllm==0.6.3 from PyPI
   toolkit verify recipes/bi100-qwen36.yaml --rootfs ./rootfs
   toolkit lint recipes/bi100-qwen36.yaml                         # exit 0 clean, 1 warnings (--strict), 2 errors
   toolkit variants recipes/bi100-qwen36.yaml                     # the experiment grid, impossible ones dropped
@@ -79,555 +54,133 @@ EXPECT_HELP = ("a JSON lock (replaced file -> sha256, LF-normalised) whose diges
                "for this run: for trees that are not the real image, such as a test fixture")
 
 
-@dataclasses.dataclass
-class Progress:
-    """What the running verb has done that an interrupt cannot undo, so that the message tells the truth."""
-
-    untouched: str = "nothing was written"
-    done: list[str] = dataclasses.field(default_factory=list)
-
-    def describe(self) -> str:
-        return "; ".join(self.done) if self.done else self.untouched
-
-
-PROGRESS = Progress()
-
-
-def _pinned(loaded: LoadedRecipe, args: argparse.Namespace,
-            fetch: bool = False) -> tuple[LoadedRecipe, dict[str, Path]]:
-    """The declared sources available here (fetch: cloned by this host where the recipe says so, as `build` does),
-    and the recipe with any `--source NAME=PATH@COMMIT` pin applied."""
-    overrides: dict[str, tuple[str, str | None]] = {}
+def _inputs(args: argparse.Namespace) -> Inputs:
+    """--source NAME=PATH[@COMMIT], --package-root NAME=DIR and --expect LOCK, as a request's inputs."""
+    sources = {}
     for item in getattr(args, "source", None) or []:
         name, path, rev = parse_source_override(item)
-        overrides[name] = (path, rev)
-    pinned, commits = resolve_pinned(loaded.recipe, loaded.path.parent, overrides, fetch=fetch)
-    pins = {s.name: s.commit for s in loaded.recipe.sources}
-    moved = {name: sha for name, sha in commits.items() if pins[name] != sha}
-    for name, sha in moved.items():
-        print(f"source {name}: pin {pins[name][:12]} overridden by --source for this run: {sha}",
-              file=sys.stderr)
-    if moved:
-        sources = [s.model_copy(update={"commit": moved.get(s.name, s.commit)}) for s in loaded.recipe.sources]
-        loaded = dataclasses.replace(loaded, recipe=loaded.recipe.model_copy(update={"sources": sources}))
-    if getattr(args, "expect", None):
-        lock = _read_json(args.expect, "an expectations lock", "a JSON object: replaced file (dest) -> sha256 of its "
-                          "LF-normalised content, e.g. taken from a test fixture")
-        try:
-            loaded = dataclasses.replace(loaded, recipe=loaded.recipe.with_expectations(
-                {str(k): str(v) for k, v in lock.items()}))
-        except ValueError as exc:
-            raise ToolkitError(f"--expect {args.expect}: {exc}") from None
-        print(f"replacement expectations from {args.expect}, not the recipe: {len(lock)} file(s); the real image's "
-              "files are only checked without --expect", file=sys.stderr)
-    return loaded, pinned
+        sources[name] = f"{path}@{rev}" if rev else path
+    expect = getattr(args, "expect", None)
+    return Inputs(sources, parse_package_roots(getattr(args, "package_root", None) or []),
+                  Path(expect) if expect else None)
 
 
-def _roots(loaded: LoadedRecipe, args: argparse.Namespace) -> tuple[list[Root], Path | None]:
-    if getattr(args, "reference", None):
-        spec = loaded.recipe.vendor.reference if args.reference is True else args.reference
-        base = loaded.recipe.base_image
-        return [reference_root(spec, base.python, base.platform)], None
-    if not args.rootfs:
-        raise ToolkitError("no vendor tree given", hint="pass --rootfs DIR (a folder laid out like the image)")
-    rootfs = Path(args.rootfs)
-    return rootfs_roots(loaded.recipe, rootfs), rootfs
+def _path(value: str | None) -> Path | None:
+    return Path(value) if value else None
 
 
-def _package_roots(loaded: LoadedRecipe, args: argparse.Namespace, rootfs: Path | None) -> dict[str, list[Root]]:
-    """The roots of every declared package that transforms edit (the vendor's are given by _roots)."""
-    given = _package_root_args(args)
-    recipe = loaded.recipe
-    unknown = sorted(set(given) - {p.name for p in recipe.packages})
-    if unknown:
-        raise ToolkitError(f"--package-root names no declared package: {', '.join(unknown)}",
-                           hint=f"declared: {', '.join(p.name for p in recipe.packages) or 'none'}")
-    out: dict[str, list[Root]] = {}
-    for package in recipe.packages:
-        if not recipe.for_package(package.name):
-            continue
-        release = package.trial_release
-        if getattr(args, "reference", None) and package.name not in given and release:
-            out[package.name] = [reference_root(release, recipe.base_image.python, recipe.base_image.platform)]
-        else:
-            out[package.name] = package_roots(recipe, package.name, rootfs, given)
-    return out
-
-
-def _engines(loaded: LoadedRecipe, args: argparse.Namespace, pinned: dict[str, Path],
-             **options: Any) -> tuple[list[Engine], list[Root]]:
-    """One engine per package the recipe edits: the vendor's first."""
-    roots, rootfs = _roots(loaded, args)
-    engines = [Engine(loaded, roots, rootfs, pinned=pinned, **options)]
-    for name, package_roots_ in _package_roots(loaded, args, rootfs).items():
-        engines.append(Engine(loaded, package_roots_, rootfs, pinned=pinned, package=name, **options))
-    return engines, roots
-
-
-def _read_json(path: str, what: str, hint: str) -> dict[str, object]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ToolkitError(f"{what} {path} not found", hint=hint) from None
-    except json.JSONDecodeError as exc:
-        raise ToolkitError(f"{path}:{exc.lineno}: {what} is not JSON ({exc.msg})", hint=hint) from None
-    if not isinstance(data, dict):
-        raise ToolkitError(f"{path}: {what} is a JSON object", hint=hint)
-    return data
-
-
-def _read_lock(path: str | None) -> dict[str, object] | None:
-    if path is None:
-        return None
-    return _read_json(path, "lock file", "create it with `toolkit apply --write-lock FILE`")
-
-
-def _exit(report: Report, strict: bool = False) -> int:
-    if not report.ok:
-        return EXIT_FAILED
-    if strict and report.count(State.SUPERSEDED):
-        return EXIT_SUPERSEDED
-    return EXIT_OK
+def _show(report: Report, args: argparse.Namespace) -> int:
+    emit(report, as_json=bool(getattr(args, "json", False)))
+    return report.exit_code
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    loaded, pinned = _pinned(load_recipe(args.recipe), args)
-    engines, _ = _engines(loaded, args, pinned)
-    engines[0].lock = _read_lock(args.check_lock)  # the lock records the vendor roots' inputs
-    plan = run_packages(engines)
-    written: list[str] = []
-    PROGRESS.untouched = "nothing was written: the writes are all-or-nothing and were rolled back or never began"
-    results = plan.results
-    if plan.ok and not args.dry_run:
-        commit(plan.ops)
-        results = plan.written()
-        written = [str(op.path) for op in plan.ops]
-        PROGRESS.done.append(f"the apply completed: {len(written)} path(s) written in the vendor roots")
-    if plan.ok and args.write_lock:
-        lock = make_lock(plan, loaded.recipe.name, loaded.recipe.vendor.package)
-        Path(args.write_lock).write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        PROGRESS.done.append(f"lock written to {args.write_lock}")
-    notes = list(plan.notes)
-    if not plan.ok:
-        notes.append("nothing was written: fix the DRIFTED transforms (or the vendor tree) and run again")
-    elif args.dry_run:
-        notes.append(f"dry run: {len(plan.ops)} write(s) planned, none made")
-    else:
-        notes.append(f"{len(written)} path(s) written")
-    report = Report("apply", str(loaded.path), tuple(results), notes=tuple(notes),
-                    extra={"written": written, "dry_run": bool(args.dry_run)})
-    emit(report, as_json=args.json)
-    return _exit(report, args.strict)
+    return _show(tree_cmd.apply(tree_cmd.ApplyRequest(
+        Path(args.recipe), _need_rootfs(args), _inputs(args), dry_run=args.dry_run, strict=args.strict,
+        check_lock=_path(args.check_lock), write_lock=_path(args.write_lock))), args)
+
+
+def _need_rootfs(args: argparse.Namespace) -> Path:
+    if not args.rootfs:
+        raise ToolkitError("no vendor tree given", hint="pass --rootfs DIR (a folder laid out like the image)")
+    return Path(args.rootfs)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    loaded, pinned = _pinned(load_recipe(args.recipe), args)
-    engines, _ = _engines(loaded, args, pinned, check_version=not args.reference)
-    plan = run_packages(engines)
-    firsts = {e.roots[0].label for e in engines}
-    first = engines[0].roots[0].label
-    steps = [s for s in plan.steps if s.root in (*firsts, "/")]
+    report = tree_cmd.diff(tree_cmd.DiffRequest(Path(args.recipe), _path(args.rootfs), args.reference, _inputs(args)))
     if args.json:
-        report = Report("diff", str(loaded.path), tuple(plan.results), extra={
-            "diffs": [{"transform": s.transform, "file": s.file, "root": s.root, "diff": s.unified()} for s in steps]})
-        emit(report, as_json=True)
-        return _exit(report)
-    out = sys.stdout
-    for step in steps:
-        text = step.unified()
+        return _show(report, args)
+    for step in report.extra["diffs"]:
+        text = step["diff"]
         if args.stat:
             added = sum(1 for ln in text.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
             removed = sum(1 for ln in text.splitlines() if ln.startswith("-") and not ln.startswith("---"))
-            out.write(f"{step.transform:40} {step.file:55} +{added} -{removed}\n")
+            sys.stdout.write(f"{step['transform']:40} {step['file']:55} +{added} -{removed}\n")
         else:
-            out.write(f"# transform {step.transform} ({step.root})\n{text}")
-    report = Report("diff", str(loaded.path), tuple(plan.results),
-                    notes=(f"diff against {first}; other roots hold identical files",))
-    if args.stat or not steps:
+            sys.stdout.write(f"# transform {step['transform']} ({step['root']})\n{text}")
+    if args.stat or not report.extra["diffs"]:
         emit(report, as_json=False)
-    return _exit(report)
+    return report.exit_code
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    loaded = load_recipe(args.recipe)
-    outdir = Path(args.output)
-    started = time.monotonic()
-    notes: list[str] = []
-    previous = check_outdir(outdir, loaded, args.force)  # before anything slow: a refused OUTDIR is said at once
-    PROGRESS.untouched = (f"{outdir} was left as it was" + (f" (the previous submission, commit {previous[:12]})"
-                          if previous else "") + "; the half-written tree beside it was removed")
-    loaded, pinned = _pinned(loaded, args, fetch=True)
-    trial = try_recipe(loaded, pinned, Path(args.rootfs) if args.rootfs else None, _package_root_args(args))
-    if not trial.ok:
-        # the platform's docker build shows no log: a transform that cannot apply must stop the build here
-        report = Report("build", str(loaded.path), trial.results, notes=(
-            f"tried every transform on {trial.where} before writing: {len(trial.drifted)} DRIFTED result(s)",
-            *trial.notes, f"nothing was written; {outdir} was left as it was"))
-        emit(report, as_json=args.json)
-        return EXIT_FAILED
-    preflight_notes, refused = _build_preflight(loaded, pinned, args)
-    if refused is not None:
-        emit(refused, as_json=args.json)
-        return EXIT_CANNOT_START
-    notes.extend(preflight_notes)
-    rows: list[tuple[str, ...]] = []
-    if args.all_variants:
-        grid = build_all_variants(loaded, outdir, force=args.force, branches=args.branches, pinned=pinned)
-        built, branches = grid.built, grid.branches
-        rows = [(v.name, "written", v.describe()) for v in grid.kept]
-        rows += [(v.name, "DROPPED", "; ".join(f"{e.rule}: {e.message}" for e in errs)) for v, errs in grid.dropped]
-        notes.append(f"{len(grid.kept)} variant(s) kept (run configs under variants/), {len(grid.dropped)} dropped "
-                     "by lint" + (f"; {len(branches) - 1} variant branch(es)" if args.branches else ""))
-        recipe = loaded.recipe
-    else:
-        recipe = find_variant(loaded.recipe, args.variant).apply(loaded.recipe) if args.variant else loaded.recipe
-        built = build_submission(loaded, recipe, outdir, variant=args.variant, force=args.force, pinned=pinned)
-        branches = [built.branch]
-    build_seconds = time.monotonic() - started
-    PROGRESS.done.append(f"{outdir} holds the complete new submission (commit {built.commit[:12]})"
-                         + (f", which replaced the previous one (commit {previous[:12]})" if previous else ""))
-    if previous:
-        notes.append(f"replaced the previous submission in {outdir} (commit {previous[:12]}, unchanged since "
-                     "toolkit built it); nothing else was touched")
-    tried = sum(1 for r in trial.results if r.state is not State.GATED_OFF)
-    notes.append(f"tried the transforms on {trial.where} before writing: {tried} result(s), none DRIFTED")
-    notes.extend(trial.notes)
-    for source in used_sources(loaded.recipe):
-        bundled = (outdir / "toolkit_payload" / "sources" / source.name).is_dir()
-        notes.append(f"adapter source {source.name}: " + (
-            f"bundled at {source.commit} (the image build needs no git and no network for it)" if bundled else
-            f"NOT BUNDLED: THE IMAGE BUILD MUST CLONE {source.git} at {source.commit}, so the platform's builder "
-            f"needs git and network (it may have neither, and shows no log); "
-            + ("sources[].fetch is image" if source.fetch == "image" else "this host could not reach it")
-            + f"; --source {source.name}=PATH bundles it"))
-    if args.push:
-        push_submission(outdir, args.push, branches)
-        notes.append(f"pushed {', '.join(branches)} to {args.push}")
-        PROGRESS.done.append(notes[-1])
-    verified = verify_submission(outdir)
-    extra: dict[str, object] = {}
-    if args.image and verified.ok:
-        from toolkit.submission.image import image_flow  # the Docker SDK is needed only here
-
-        image_started = time.monotonic()
-        extra = image_flow(outdir, args.image)
-        notes.append(f"image {args.image}: built, verified inside, {extra['compared_files']} patched file(s) "
-                     f"byte-identical to a host apply ({time.monotonic() - image_started:.1f} s)")
-    kinds = files_by_kind(outdir)
-    command = server_command(outdir)
-    notes.insert(0, f"wrote {outdir}: commit {built.commit[:12]} on {', '.join(branches)}, {built.files} file(s) "
-                    f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), built in {build_seconds:.1f} s")
-    notes.append(f"server command: {shlex.join(command)}")
-    warnings = tuple(i for i in lint(loaded, recipe, variant=args.variant).issues
-                     if i.severity is not Severity.INFO or i.rule == "kv-cache")
-    next_step = (f"next: push it (`toolkit build ... --push URL`, or `git -C {outdir} push URL main`) and submit "
-                 "the repository URL" if not args.push else "next: submit the repository URL you pushed to")
-    closing = (next_step + f"; `toolkit check {outdir}` checks it again at any time",) if verified.ok else (
-        "next: fix the findings above (the submission would not build or start), then build again",)
-    report = Report("build", str(loaded.path), findings=verified.findings, notes=(*notes, *verified.notes, *closing),
-                    issues=(*verified.issues, *warnings), columns=("variant", "status", "detail") if rows else (),
-                    rows=tuple(rows),
-                    extra={"outdir": str(outdir), "commit": built.commit, "tree": built.tree,
-                           "branches": branches, "files_by_kind": kinds, "server_command": command,
-                           "trial": {"where": trial.where, "untried": dict(trial.untried)}, **extra})
-    emit(report, as_json=args.json)
-    return _exit(report)
+    return _show(build_cmd.build(build_cmd.BuildRequest(
+        Path(args.recipe), Path(args.output), _inputs(args), variant=args.variant, all_variants=args.all_variants,
+        branches=args.branches, push=args.push, rootfs=_path(args.rootfs), force=args.force, image=args.image)), args)
 
 
 def cmd_vendor_pull(args: argparse.Namespace) -> int:
-    from toolkit.submission.image import vendor_pull
-
-    loaded = load_recipe(args.recipe)
-    out = Path(args.output)
-    if out.exists() and any(out.iterdir()):
-        raise ToolkitError(f"{out} is not empty", hint="pull into a new folder")
-    roots = vendor_pull(loaded, out, args.image)
-    report = Report("vendor pull", str(loaded.path), notes=(f"{len(roots)} root(s) extracted into {out}: "
-                                                          + ", ".join(roots),), extra={"roots": roots})
-    emit(report, as_json=args.json)
-    return EXIT_OK
+    return _show(vendor_cmd.pull(Path(args.recipe), Path(args.output), args.image), args)
 
 
 def cmd_vendor_compare(args: argparse.Namespace) -> int:
-    from toolkit.compare import compare, neighbours, package_dir, report_of
-    from toolkit.pyenv import importable
-    from toolkit.runtime.env import built
-
-    loaded = load_recipe(args.recipe)
-    recipe = loaded.recipe
-    if bool(args.rootfs) == bool(args.root):
-        raise ToolkitError("give the vendor tree as --rootfs DIR or as --root DIR",
-                           hint="--rootfs: a folder laid out like the image (what `toolkit vendor pull` wrote); "
-                           f"--root: a folder holding {recipe.vendor.package}/, or {recipe.vendor.package}/ itself")
-    root = rootfs_roots(recipe, Path(args.rootfs))[0].path if args.rootfs else Path(args.root)
-    vendor = package_dir(root, recipe.vendor.package)
-    specs = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else \
-        neighbours(recipe.vendor.reference)
-    result = compare(vendor, recipe.vendor.package, specs, recipe.base_image.python, recipe.base_image.platform,
-                     guessed=not args.candidates)
-    python = built()  # tells the vendor's libraries from packages the runtime has, when it is built
-    installed = {m for m, ok in importable(python, result.vendor_libraries()).items() if ok} if python else None
-    emit(report_of(loaded, result, installed, args.top), as_json=args.json)
-    return EXIT_OK
+    candidates = tuple(c.strip() for c in (args.candidates or "").split(",") if c.strip())
+    return _show(vendor_cmd.compare(vendor_cmd.CompareRequest(
+        Path(args.recipe), _path(args.rootfs), _path(args.root), candidates, args.top)), args)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    report = verify_submission(Path(args.outdir))
-    emit(report, as_json=args.json)
-    return _exit(report)
+    return _show(build_cmd.check(Path(args.outdir)), args)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     if Path(args.recipe).is_dir():  # the old spelling of `toolkit check OUTDIR`
         print(f"note: `toolkit verify OUTDIR` is now `toolkit check {args.recipe}`; this spelling keeps working",
               file=sys.stderr)
-        args.outdir = args.recipe
-        return cmd_check(args)
-    loaded, pinned = _pinned(load_recipe(args.recipe), args)
-    roots, rootfs = _roots(loaded, args)
-    report = verify_tree(loaded, roots, rootfs, pinned)
-    for name, package_roots_ in _package_roots(loaded, args, rootfs).items():
-        extra = verify_tree(loaded, package_roots_, rootfs, pinned, package=name)
-        order = {t.id: i for i, t in enumerate(loaded.recipe.transforms)}
-        merged = sorted((*report.results, *extra.results), key=lambda r: (order[r.transform], r.root))
-        report = dataclasses.replace(
-            report, results=tuple(merged),
-            findings=(*report.findings, *extra.findings), notes=(*report.notes, *extra.notes))
-    # a tree that verifies but whose recipe cannot start is not verified
-    lint_errors = tuple(i for i in lint(loaded, rootfs=rootfs).issues if i.severity is Severity.ERROR)
-    report = dataclasses.replace(report, issues=lint_errors)
-    emit(report, as_json=args.json)
-    return _exit(report)
+        return _show(build_cmd.check(Path(args.recipe)), args)
+    return _show(tree_cmd.verify(tree_cmd.VerifyRequest(Path(args.recipe), _need_rootfs(args), _inputs(args))), args)
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
-    loaded = load_recipe(args.recipe)
-    recipe = loaded.recipe
-    if args.variant:
-        recipe = find_variant(recipe, args.variant).apply(recipe)
-    result = lint(loaded, recipe, variant=args.variant, rootfs=Path(args.rootfs) if args.rootfs else None,
-                  compare_base=bool(args.rootfs))
-    issues = tuple(i for i in result.issues if args.verbose or i.severity is not Severity.INFO or i.rule == "kv-cache")
-    report = Report("lint", str(loaded.path), issues=issues, extra=result.data)
-    emit(report, as_json=args.json)
-    return result.exit_code(args.strict)
+    return _show(lint_cmd.lint(lint_cmd.LintRequest(Path(args.recipe), args.variant, _path(args.rootfs),
+                                                    strict=args.strict, verbose=args.verbose)), args)
 
 
 def cmd_variants(args: argparse.Namespace) -> int:
-    loaded = load_recipe(args.recipe)
-    rows = []
-    entries = []
-    for variant in expand_variants(loaded.recipe):
-        result = lint(loaded, variant.apply(loaded.recipe), variant=variant.name)
-        blocking = [i for i in result.issues if i.severity is Severity.ERROR]
-        status = "DROPPED" if blocking else "ok"
-        rows.append((variant.name, variant.describe(), str(result.errors), str(result.warnings), status,
-                     "; ".join(f"{i.rule}: {i.message}" for i in blocking)))
-        entries.append({"name": variant.name, "args": variant.args, "env": variant.env, "status": status,
-                        "errors": result.errors, "warnings": result.warnings,
-                        "issues": [i.as_json() for i in result.issues if i.severity is not Severity.INFO]})
-    kept = sum(1 for e in entries if e["status"] == "ok")
-    report = Report("variants", str(loaded.path), columns=("variant", "overrides", "errors", "warnings", "status",
-                                                            "why dropped"), rows=tuple(rows),
-                    notes=(f"{kept} of {len(entries)} variant(s) can start; DROPPED ones fail lint with an error",),
-                    extra={"variants": entries})
-    emit(report, as_json=args.json)
-    return EXIT_OK
-
-
-def _one_or_all_variants(loaded: LoadedRecipe, args: argparse.Namespace) -> list[Variant]:
-    """--variant NAME, else every variant with --all-variants, else the base (the first of the expanded set)."""
-    if args.variant:
-        return [find_variant(loaded.recipe, args.variant)]
-    every = expand_variants(loaded.recipe)
-    return every if args.all_variants else every[:1]
-
-
-def _build_preflight(loaded: LoadedRecipe, pinned: dict[str, Path],
-                     args: argparse.Namespace) -> tuple[list[str], Report | None]:
-    """Preflight of what the build writes, when the CPU runtime is here (a Report: refused, nothing written)."""
-    from toolkit.runtime import preflight
-    from toolkit.runtime.env import built
-
-    python = built()
-    if python is None:
-        return ["preflight not run: no CPU runtime here yet (`toolkit preflight RECIPE` builds it once, about a "
-                "minute; later builds then run the variants through the vendor's own code)"], None
-    variants = _one_or_all_variants(loaded, args)
-    # what lint refuses is refused by the build with lint's message; preflight checks what would be written
-    variants = [v for v in variants if not [i for i in lint(loaded, v.apply(loaded.recipe), variant=v.name).issues
-                                            if i.severity is Severity.ERROR]]
-    if not variants:
-        return [], None
-    started = time.monotonic()
-    rootfs = Path(args.rootfs) if args.rootfs else None
-    outcomes, cached = preflight.cached_run(loaded, variants, pinned, python, rootfs, _package_root_args(args))
-    how = "remembered from an earlier run" if cached else f"{time.monotonic() - started:.1f} s"
-    if all(o.starts for o in outcomes):
-        unchecked = sorted({n for o in outcomes for n in o.not_checked})
-        left = f"; not checked here, left to the in-image step: {'; '.join(unchecked)}" if unchecked else ""
-        where = f"a patched copy of the vendor roots under {rootfs}" if rootfs else \
-            f"a patched copy of {loaded.recipe.vendor.reference} (CoreX-like)"
-        said = (f"preflight: {len(outcomes)} variant(s) start in the patched vLLM's own config code, on {where} "
-                f"({how}){left}")
-        return [said], None
-    report = preflight.report(loaded, outcomes, f"preflight before writing ({how})")
-    return [], dataclasses.replace(report, verb="build", notes=(*report.notes, "nothing was written"))
+    return _show(lint_cmd.variants(Path(args.recipe)), args)
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from toolkit.runtime import preflight
-    from toolkit.runtime.env import runtime
-
-    loaded, pinned = _pinned(load_recipe(args.recipe), args)
-    variants = _one_or_all_variants(loaded, args)
-    python = runtime()
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
-        if args.rootfs:
-            tree = preflight.given_tree(loaded, Path(args.rootfs), _package_root_args(args), Path(tmp))
-        else:
-            tree = preflight.patched_copy(loaded, pinned, Path(tmp))
-        print(f"preflight: {len(variants)} variant(s) through the vendor's own code in {tree.where}",
-              file=sys.stderr, flush=True)
-        outcomes = preflight.run(loaded, variants, tree, python,
-                                 Path(args.model_config) if args.model_config else None)
-    report = preflight.report(loaded, outcomes, f"ran on {tree.where}, {time.monotonic() - started:.1f} s")
-    emit(report, as_json=args.json)
-    return EXIT_OK if all(o.starts for o in outcomes) else EXIT_CANNOT_START
+    """Each variant's exact argv through the patched vLLM's own parser, engine arguments and config code, on a CPU
+    with the recipe's accelerators emulated; exit 2 if a variant cannot start."""
+    return _show(preflight_cmd.preflight(preflight_cmd.PreflightRequest(
+        Path(args.recipe), _inputs(args), args.variant, args.all_variants, _path(args.rootfs),
+        _path(args.model_config))), args)
 
 
-def _package_root_args(args: argparse.Namespace) -> dict[str, str]:
-    return parse_package_roots(getattr(args, "package_root", None) or [])
-
-
-def _workload(args: argparse.Namespace) -> tuple[str, list[Conversation]]:
-    from toolkit.bench import workloads
-
+def _load(args: argparse.Namespace) -> bench_cmd.Load:
     kind, *rest = args.workload
-    if kind not in ("short", "tools", "conversations", "replay") or len(rest) > 1:
+    if len(rest) > 1:
         raise ToolkitError(f"--workload {' '.join(args.workload)}: expected short, tools, conversations FILE or "
                            "replay FILE", hint="e.g. --workload conversations tests/data/conversations.jsonl")
-    if kind in ("short", "tools") and rest:
-        raise ToolkitError(f"--workload {kind} takes no file")
-    return kind, workloads.build(kind, args.requests, Path(rest[0]) if rest else None)
-
-
-def _concurrencies(text: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        concurrency = tuple(int(v) for v in args.concurrency.split(",") if v.strip())
     except ValueError:
-        raise ToolkitError(f"--concurrency {text!r}: expected numbers like 1,2,4") from None
-    if not values or any(v < 1 for v in values):
-        raise ToolkitError(f"--concurrency {text!r}: expected numbers >= 1, like 1,2,4")
-    return values
-
-
-def _settings(args: argparse.Namespace, url: str) -> Settings:
-    from toolkit.bench.client import Settings
-
-    return Settings(url=url, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, timeout_s=args.timeout,
-                    salt="" if args.salt else None)
-
-
-def _bench_report(verb: str, source: str, runs: list[tuple[str, dict[str, Any]]], notes: list[str],
-                  extra: dict[str, object]) -> Report:
-    from toolkit.bench.output import compare_rows
-
-    columns, rows = compare_rows(runs)
-    return Report(verb, source, columns=columns, rows=tuple(rows), notes=tuple(notes), extra=extra)
+        raise ToolkitError(f"--concurrency {args.concurrency!r}: expected numbers like 1,2,4") from None
+    if not concurrency or any(v < 1 for v in concurrency):
+        raise ToolkitError(f"--concurrency {args.concurrency!r}: expected numbers >= 1, like 1,2,4")
+    return bench_cmd.Load(kind, Path(rest[0]) if rest else None, concurrency, args.requests, args.max_tokens,
+                          args.ignore_eos, args.timeout, args.salt)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from toolkit.bench.output import load_summary
-    from toolkit.bench.runner import bench
-
     if args.target[0] == "compare":
-        folders = [Path(p) for p in args.target[1:]]
-        if not folders:
-            raise ToolkitError("bench compare needs run folders", hint="toolkit bench compare RUN1/c1 RUN2/c1")
-        loaded_runs = [(str(f), load_summary(f)) for f in folders]
-        emit(_bench_report("bench compare", ", ".join(map(str, folders)), loaded_runs, [],
-                           {"runs": dict(loaded_runs)}), as_json=args.json)
-        return EXIT_OK
+        return _show(bench_cmd.bench_compare([Path(p) for p in args.target[1:]]), args)
     if len(args.target) != 1 or args.output is None:
         raise ToolkitError("usage: toolkit bench URL -o RUNDIR [options], or toolkit bench compare RUNDIR...")
-    url = args.target[0]
-    kind, conversations = _workload(args)
-    settings = _settings(args, url)
-    PROGRESS.untouched = f"{args.output} was not written (a run is written whole at its end)"
-    runs = bench(url, conversations, _concurrencies(args.concurrency), settings, Path(args.output), workload=kind)
-    notes = [f"wrote {args.output}: one folder per concurrency (run.json, requests.jsonl, summary.json, plot.png)",
-             "Output TPS: output_tps_e2e_* is the official per-request rate (end-to-end, TTFT included); "
-             "output_tps_decode_* is tokens after the first one over decode time (the prior art's rate)",
-             "weighted_throughput_p10_output uses X = official Output TPS P10 (the public proxy); "
-             "weighted_throughput_agg_output uses X = aggregate output tokens/s"]
-    for run in runs:
-        s = run.summary
-        deltas = s.get("server_counter_deltas") or {}
-        if "vllm:prefix_cache_queries_total" in deltas:
-            same = (deltas["vllm:prefix_cache_queries_total"] == s["total_prompt_tokens"]
-                    and deltas.get("vllm:prefix_cache_hits_total") == s["total_cached_tokens"])
-            notes.append(f"c={run.concurrency}: client prompt/cached {s['total_prompt_tokens']}/"
-                         f"{s['total_cached_tokens']} vs server /metrics deltas "
-                         f"{deltas['vllm:prefix_cache_queries_total']:.0f}/"
-                         f"{deltas.get('vllm:prefix_cache_hits_total', 0):.0f}: {'equal' if same else 'DIFFERENT'}")
-        if run.plot_note:
-            notes.append(run.plot_note)
-    report = _bench_report("bench", url, [(f"c={r.concurrency}", r.summary) for r in runs], notes,
-                           {"outdir": args.output, "runs": [r.summary for r in runs]})
-    emit(report, as_json=args.json)
-    return EXIT_OK
+    return _show(bench_cmd.bench(bench_cmd.BenchRequest(args.target[0], Path(args.output), _load(args))), args)
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
-    from toolkit.bench import cpu_server
-    from toolkit.bench.experiment import InImage, experiment
-    from toolkit.bench.serve import GpuSampler, free_port
-
-    loaded = load_recipe(args.recipe)
-    every = expand_variants(loaded.recipe)
-    if args.all_variants:
-        chosen = every
-    elif args.variant:
-        chosen = [find_variant(loaded.recipe, name) for name in args.variant]
-    else:
-        chosen = every[:1]
-    kind, conversations = _workload(args)
-    image = InImage(args.image, args.mount or [], args.device or [], args.gpus) if args.image else None
-    python: Path | str
-    if image is not None:
-        python = args.python or "python3"  # as the run config says: the image's own Python
-        if args.model == "tiny":
-            raise ToolkitError("--image needs --model DIR: the model folder mapped to /model in the container")
-    elif args.python in (None, "cpu-server"):
-        python = cpu_server.environment()
-    else:
-        python = Path(args.python)
-        if not python.exists():
-            raise ToolkitError(f"--python {python} does not exist", hint="the Python whose vLLM serves the variants, "
-                               "or `--python cpu-server` for the cached CPU test server")
-    model = cpu_server.tiny_model(Path(python)) if args.model == "tiny" else Path(args.model)
-    if not model.is_dir():
-        raise ToolkitError(f"--model {model} is not a folder", hint="the model folder mapped to /model, or `tiny`")
-    port = args.port or free_port()
-    sampler = GpuSampler(args.gpu_sampler)
-    notes = [] if sampler.available else [f"GPU use not sampled: no {args.gpu_sampler} on this machine"]
-    PROGRESS.untouched = f"{args.output}: the servers this run started were stopped; finished variants are kept"
-    results = experiment(loaded, chosen, conversations, kind, _concurrencies(args.concurrency),
-                         _settings(args, f"http://127.0.0.1:{port}"), Path(args.output), python=python,
-                         model=model, port=port, start_timeout_s=args.start_timeout, sampler=sampler, image=image)
-    runs = [(f"{r.variant} c={run['concurrency']}", run) for r in results for run in r.runs]
-    notes += [f"{r.variant}: {r.status}: {r.detail}" for r in results]
-    notes.append(f"wrote {args.output}: per variant server.log and bench/, experiment.json, experiment.png")
-    report = _bench_report("experiment", str(loaded.path), runs, notes,
-                           {"outdir": args.output, "variants": [r.__dict__ for r in results]})
-    emit(report, as_json=args.json)
-    return EXIT_OK if all(r.status != "FAILED" for r in results) else EXIT_FAILED
+    return _show(bench_cmd.experiment(bench_cmd.ExperimentRequest(
+        Path(args.recipe), Path(args.output), _load(args), variants=tuple(args.variant or ()),
+        all_variants=args.all_variants, python=args.python, image=args.image, mounts=tuple(args.mount or ()),
+        devices=tuple(args.device or ()), gpus=args.gpus, model=args.model, port=args.port,
+        start_timeout_s=args.start_timeout, gpu_sampler=args.gpu_sampler)), args)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    text = json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+    text = schema_text()
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
         PROGRESS.done.append(f"{args.output} written")
@@ -823,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    PROGRESS.untouched, PROGRESS.done = Progress().untouched, []
+    PROGRESS.reset()
     try:
         code = int(args.func(args))
         sys.stdout.flush()  # inside the try: a closed pipe shows up here, not as a traceback at exit
@@ -835,7 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ToolkitError as exc:
         if getattr(args, "json", False):
             sys.stdout.write(json.dumps({"ok": False, "error": exc.message, "fix": exc.hint,
-                                         "exit_code": exc.exit_code}, indent=2) + "\n")
+                                         "exit_code": exc.exit_code, "toolkit_version": __version__},
+                                        indent=2) + "\n")
         print(f"toolkit {args.verb}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

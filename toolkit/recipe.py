@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from toolkit.errors import RecipeError
 from toolkit.fields import ENV_PATTERN, ID_PATTERN, DottedName, Identifier, Strict, relative_path
+from toolkit.resources import TOOLKIT_PATCHES, resource
 from toolkit.transforms import KINDS
 from toolkit.transforms.base import TransformBase
 from toolkit.transforms.deploy import Deploy
@@ -283,7 +284,9 @@ class Recipe(Strict):
     hardware: Hardware
     base_image: BaseImage
     vendor: Vendor
-    patches: str = Field(default="../patches/src", description="The patches folder, relative to the recipe file")
+    patches: str = Field(default="../patches/src", description="The patches folder, relative to the recipe file; "
+                         "`toolkit:` is the toolkit's own (native_fastpaths, chat_templates, hybrid_kv_accounting.py), "
+                         "as installed with it")
     transforms: list[Transform] = Field(default_factory=list,
                                         description="The code changes (none for a serve-only recipe)")
     env: dict[str, str] = Field(default_factory=dict, description="Environment of the server")
@@ -376,7 +379,21 @@ class LoadedRecipe:
 
     @property
     def patches_dir(self) -> Path:
+        """The recipe's patches folder, relative to it; `toolkit:` is the toolkit's own (for a recipe kept outside
+        the checkout: the native fast paths and chat templates it installs with)."""
+        if self.recipe.patches == TOOLKIT_PATCHES:
+            return resource("patches")
         return (self.path.parent / self.recipe.patches).resolve()
+
+    def patches_folder(self) -> Path:
+        """patches_dir for a reader: a recipe whose transforms read patches (a deploy, a body replacement, a
+        dispatch's switch table) and whose folder is missing is refused here, naming `patches:`."""
+        folder = self.patches_dir
+        if not folder.is_dir() and any(t.patch_paths() or t.kind == "dispatch" for t in self.recipe.transforms):
+            raise RecipeError(str(self.path), self.line_of("patches"), None, f"patches folder {folder} does not exist",
+                              key="patches", hint="`patches:` is relative to the recipe file; `toolkit:` is the "
+                              "toolkit's own patches (native_fastpaths, chat_templates), as installed with it")
+        return folder
 
     def line_of(self, *loc: str | int) -> int | None:
         mark = self.located.mark_for(loc)

@@ -6,6 +6,8 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from toolkit import __version__
+
 
 class State(str, enum.Enum):
     WOULD_APPLY = "WOULD_APPLY"  # planned, not written (diff, --dry-run, trials); an apply that commits says APPLIED
@@ -85,6 +87,7 @@ class Report:
     issues: tuple[Issue, ...] = ()
     columns: tuple[str, ...] = ()  # list-type verbs (variants) print these rows as a table
     rows: tuple[tuple[str, ...], ...] = ()
+    exit_code: int = 0  # what the command line exits with for this report
 
     @property
     def ok(self) -> bool:
@@ -97,6 +100,7 @@ class Report:
     def as_json(self) -> dict[str, Any]:
         return {
             "verb": self.verb,
+            "toolkit_version": __version__,
             "recipe": self.recipe,
             "ok": self.ok,
             "summary": {s.value: self.count(s) for s in State},
@@ -104,5 +108,6 @@ class Report:
             "findings": [f.as_json() for f in self.findings],
             "issues": [i.as_json() for i in self.issues],
             "notes": list(self.notes),
+            "exit_code": self.exit_code,
             **self.extra,
         }

@@ -97,7 +97,7 @@ class Engine:
         self.roots = roots
         self.rootfs = rootfs
         self.check_version = check_version
-        self.ctx = Context(loaded.patches_dir, dict(pinned or {}))
+        self.ctx = Context(loaded.patches_folder(), dict(pinned or {}))
         self.index = {t.id: i for i, t in enumerate(self.recipe.transforms)}
         self.transforms = self.recipe.for_package(self.package)
         active = [t for t in self.transforms if t.id not in skip]
@@ -230,15 +230,15 @@ class Engine:
 
     # -- planning ---------------------------------------------------------------------------
 
-    def _result(self, spec: TransformBase, root: str, file: str, state: State, message: str,
+    def result(self, spec: TransformBase, root: str, file: str, state: State, message: str,
                 field: str | None = None) -> Result:
         """A result that names the recipe line of the field at fault when one is known, else the transform's."""
         index = self.index[spec.id]
         line = self.loaded.line_of("transforms", index, field) if field else None
         return Result(spec.id, spec.kind, root, file, state, message, line or self.loaded.transform_line(index))
 
-    def _verdict(self, verdict: Verdict, root: str, file: str) -> Result:
-        return self._result(verdict.spec, root, file, verdict.state, verdict.message, verdict.field)
+    def verdict(self, verdict: Verdict, root: str, file: str) -> Result:
+        return self.result(verdict.spec, root, file, verdict.state, verdict.message, verdict.field)
 
     def _plan_file(self, rel: str, data: bytes | None, version: str | None) -> list[Verdict]:
         planned = evaluate(rel, data, self.edits_by_file[rel], version)
@@ -269,7 +269,7 @@ class Engine:
         """The GATED_OFF result of an image-level deploy or link when no image filesystem is given."""
         if not kind.rootfs_level or self.rootfs is not None:
             return None
-        return self._result(kind.spec, ROOTFS_LABEL, kind.spec.target_label, State.GATED_OFF,
+        return self.result(kind.spec, ROOTFS_LABEL, kind.spec.target_label, State.GATED_OFF,
                             "writes outside the vendor roots; no image filesystem is given (--reference mode)")
 
     def plan_file_kind(self, kind: FileKind, base: Path, owned: dict[str, str]) -> FilePlan:
@@ -303,12 +303,12 @@ class Engine:
             for label, base in self.file_bases(kind):
                 shown = spec.target_label
                 if why_off:
-                    self.plan.results.append(self._result(spec, label, shown, State.GATED_OFF, why_off))
+                    self.plan.results.append(self.result(spec, label, shown, State.GATED_OFF, why_off))
                     continue
                 owned = owned_rootfs if kind.rootfs_level else {
                     k: v for k, v in self._owned(base).items() if not k.startswith("/")}
                 fp = self.plan_file_kind(kind, base, owned)
-                self.plan.results.append(self._result(spec, label, shown, fp.state, fp.message))
+                self.plan.results.append(self.result(spec, label, shown, fp.state, fp.message))
                 self.plan.ops.extend(fp.ops)
                 for rel, digest in fp.owned:
                     if kind.rootfs_level:
@@ -334,10 +334,10 @@ class Engine:
         version = next(iter(versions.values()))
         contents = self._read_targets()
         if self.lock is not None:
-            check_lock(self.lock, self.plan, version)
+            check_lock(self.lock, self.plan.pristine, version)
         for rel, data in contents.items():
             for verdict in self._plan_file(rel, data, version):
-                self.plan.results.extend(self._verdict(verdict, root.label, rel) for root in self.roots)
+                self.plan.results.extend(self.verdict(verdict, root.label, rel) for root in self.roots)
         owned = self._plan_files(version)
         if self.plan.ok:
             self._plan_housekeeping(contents, owned, version)

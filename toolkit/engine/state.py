@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from toolkit.errors import InputDriftError
-
-if TYPE_CHECKING:
-    from toolkit.engine.plan import Plan
 
 STATE_FILE = ".toolkit/state.json"
 
@@ -27,13 +23,13 @@ def read_state(root: Path) -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
-def make_lock(plan: Plan, recipe_name: str, package: str) -> dict[str, object]:
-    version = next(iter(plan.versions.values()), None)
+def make_lock(pristine: dict[str, str], version: str | None, recipe_name: str, package: str) -> dict[str, object]:
+    """The lock of a plan's inputs: the vendor version and the pristine sha256 of every target file."""
     return {"recipe": recipe_name, "vendor": {"package": package, "version": version},
-            "files": dict(sorted(plan.pristine.items()))}
+            "files": dict(sorted(pristine.items()))}
 
 
-def check_lock(lock: dict[str, object], plan: Plan, version: str | None) -> None:
+def check_lock(lock: dict[str, object], pristine: dict[str, str], version: str | None) -> None:
     """Refuse inputs that differ from the lock, before any transform is planned."""
     vendor = lock.get("vendor", {})
     locked_version = vendor.get("version") if isinstance(vendor, dict) else None
@@ -42,7 +38,7 @@ def check_lock(lock: dict[str, object], plan: Plan, version: str | None) -> None
         problems.append(f"vendor version {version} (locked {locked_version})")
     files = lock.get("files", {})
     files = files if isinstance(files, dict) else {}
-    for rel, digest in plan.pristine.items():
+    for rel, digest in pristine.items():
         if rel not in files:
             problems.append(f"{rel} is not in the lock")
         elif files[rel] != digest:

@@ -35,7 +35,7 @@ def _verify_sources(engine: Engine, root: Root, version: str | None,
         checked = cache[key]
         if checked.unreadable:
             findings.append(Finding("compile", root.label, rel, checked.unreadable))
-        results.extend(engine._verdict(verdict, root.label, rel) for verdict in checked.states)
+        results.extend(engine.verdict(verdict, root.label, rel) for verdict in checked.states)
     return results, findings
 
 
@@ -84,13 +84,13 @@ def verify_tree(loaded: LoadedRecipe, roots: list[Root], rootfs: Path | None,
         for label, base in engine.file_bases(kind):
             why_off = gated_off(spec, version)
             if why_off:
-                results.append(engine._result(spec, label, shown, State.GATED_OFF, why_off))
+                results.append(engine.result(spec, label, shown, State.GATED_OFF, why_off))
                 continue
             plan = engine.plan_file_kind(kind, base, {})
             state, message = plan.state, plan.message
             if state is State.WOULD_APPLY:
                 state, message = State.DRIFTED, f"not in place: {message}"
-            results.append(engine._result(spec, label, shown, state, message))
+            results.append(engine.result(spec, label, shown, state, message))
             if isinstance(kind, DeployKind):
                 deployed = [target for target, _ in kind.targets(base).values()]
                 texts = [p for p in deployed if p.is_file() and not is_binary(p.read_bytes())]

@@ -324,7 +324,7 @@ def _probe(python: Path, tree: Tree, request: dict[str, Any], loaded: LoadedReci
         return {}
     failed = data.get("import_error")
     if failed:
-        raise _import_failure(loaded, tree, failed)
+        raise import_failure(loaded, tree, failed)
     return data
 
 
@@ -335,7 +335,7 @@ def _where_hint(tree: Tree) -> str:
     return "the traceback is the patched tree's own; `toolkit verify RECIPE --rootfs DIR` checks it compiles"
 
 
-def _import_failure(loaded: LoadedRecipe, tree: Tree, failed: dict[str, Any]) -> ToolkitError:
+def import_failure(loaded: LoadedRecipe, tree: Tree, failed: dict[str, Any]) -> ToolkitError:
     """`import vllm` failed: an undeclared GPU library names the field to add it to; anything else says where."""
     module = str(failed.get("module") or "")
     where = failed.get("where") or "a file outside the patched trees"

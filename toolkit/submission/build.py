@@ -13,6 +13,7 @@ from pathlib import Path
 import git
 import yaml
 
+from toolkit import __version__
 from toolkit.errors import ToolkitError
 from toolkit.inputs import COMPLETE
 from toolkit.lint import lint
@@ -166,8 +167,9 @@ def write_tree(loaded: LoadedRecipe, recipe: Recipe, variant: str | None, target
             _write(payload / "packages" / wheel.name, wheel.read_bytes())
     for wheel in fetch_wheels(recipe.base_image.python, recipe.base_image.platform):
         _write(payload / "wheels" / wheel.name, wheel.read_bytes())
-    manifest = {p.relative_to(payload).as_posix(): sha256(p.read_bytes())
-                for p in sorted(payload.rglob("*")) if p.is_file()}
+    files = {p.relative_to(payload).as_posix(): sha256(p.read_bytes())
+             for p in sorted(payload.rglob("*")) if p.is_file()}
+    manifest = {"toolkit_version": __version__, "files": files}
     _write(payload / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
 
 

@@ -154,9 +154,9 @@ class Checker:
                 self.check_run_config(config, argv(recipe), dict(sorted(recipe.env.items())), recipe.serve.concurrency)
         manifest_path = payload / MANIFEST
         try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            self.fail("payload", f"{PAYLOAD}/{MANIFEST}", f"unreadable: {exc}")
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            self.fail("payload", f"{PAYLOAD}/{MANIFEST}", f"unreadable: {exc!r} (expected toolkit_version and files)")
             return
         actual = {p.relative_to(payload).as_posix(): sha256(p.read_bytes())
                   for p in payload.rglob("*") if p.is_file() and p.name != MANIFEST}

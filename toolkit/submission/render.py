@@ -5,17 +5,13 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 import jinja2
 import yaml
 
-from toolkit.errors import ToolkitError
 from toolkit.recipe import ArgValue, Recipe, Source
+from toolkit.resources import resource
 
-PROJECT = Path(__file__).resolve().parents[2]  # the checkout: Dockerfile.j2, templates/
-DOCKERFILE_TEMPLATE = PROJECT / "Dockerfile.j2"
-TEMPLATES = PROJECT / "templates"
 PAYLOAD = "toolkit_payload"  # in the submission repository
 IMAGE_PAYLOAD = "/opt/toolkit-payload"  # where the Dockerfile copies it
 
@@ -79,12 +75,9 @@ class Rendered:
 
 
 def _env() -> jinja2.Environment:
-    for path in (DOCKERFILE_TEMPLATE, TEMPLATES):
-        if not path.exists():
-            raise ToolkitError(f"template {path} not found",
-                               hint="install the toolkit from its checkout with `pip install -e .`")
+    dockerfile, templates = resource("Dockerfile.j2"), resource("templates")
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader([str(PROJECT), str(TEMPLATES)]),
+        loader=jinja2.FileSystemLoader([str(dockerfile.parent), str(templates)]),
         undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
         autoescape=False,
     )

@@ -1,0 +1,56 @@
+"""lint and variants: configurations that cannot start, caught from the recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.lint import lint as lint_recipe
+from toolkit.recipe import load_recipe
+from toolkit.results import Report, Severity
+from toolkit.variants import expand as expand_variants
+from toolkit.variants import find as find_variant
+
+
+@dataclass(frozen=True)
+class LintRequest:
+    recipe: Path
+    variant: str | None = None
+    rootfs: Path | None = None  # also check against an extracted image (shadowing, remove_when, the true base)
+    strict: bool = False  # exit 1 on warnings
+    verbose: bool = False  # info-level notes too
+
+
+def lint(request: LintRequest) -> Report:
+    loaded = load_recipe(request.recipe)
+    recipe = loaded.recipe
+    if request.variant:
+        recipe = find_variant(recipe, request.variant).apply(recipe)
+    result = lint_recipe(loaded, recipe, variant=request.variant, rootfs=request.rootfs,
+                         compare_base=request.rootfs is not None)
+    issues = tuple(i for i in result.issues
+                   if request.verbose or i.severity is not Severity.INFO or i.rule == "kv-cache")
+    return dataclasses.replace(Report("lint", str(loaded.path), issues=issues, extra=result.data),
+                               exit_code=result.exit_code(request.strict))
+
+
+def variants(recipe: Path) -> Report:
+    """The expanded experiment set with the lint result of each; impossible ones are DROPPED."""
+    loaded = load_recipe(recipe)
+    rows = []
+    entries = []
+    for variant in expand_variants(loaded.recipe):
+        result = lint_recipe(loaded, variant.apply(loaded.recipe), variant=variant.name)
+        blocking = [i for i in result.issues if i.severity is Severity.ERROR]
+        status = "DROPPED" if blocking else "ok"
+        rows.append((variant.name, variant.describe(), str(result.errors), str(result.warnings), status,
+                     "; ".join(f"{i.rule}: {i.message}" for i in blocking)))
+        entries.append({"name": variant.name, "args": variant.args, "env": variant.env, "status": status,
+                        "errors": result.errors, "warnings": result.warnings,
+                        "issues": [i.as_json() for i in result.issues if i.severity is not Severity.INFO]})
+    kept = sum(1 for e in entries if e["status"] == "ok")
+    return Report("variants", str(loaded.path), columns=("variant", "overrides", "errors", "warnings", "status",
+                                                          "why dropped"), rows=tuple(rows),
+                  notes=(f"{kept} of {len(entries)} variant(s) can start; DROPPED ones fail lint with an error",),
+                  extra={"variants": entries})
