@@ -76,14 +76,8 @@ def _show(report: Report, args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     return _show(tree_cmd.apply(tree_cmd.ApplyRequest(
-        Path(args.recipe), _need_rootfs(args), _inputs(args), dry_run=args.dry_run, strict=args.strict,
+        Path(args.recipe), _path(args.rootfs), _inputs(args), dry_run=args.dry_run, strict=args.strict,
         check_lock=_path(args.check_lock), write_lock=_path(args.write_lock))), args)
-
-
-def _need_rootfs(args: argparse.Namespace) -> Path:
-    if not args.rootfs:
-        raise ToolkitError("no vendor tree given", hint="pass --rootfs DIR (a folder laid out like the image)")
-    return Path(args.rootfs)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -128,7 +122,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"note: `toolkit verify OUTDIR` is now `toolkit check {args.recipe}`; this spelling keeps working",
               file=sys.stderr)
         return _show(build_cmd.check(Path(args.recipe)), args)
-    return _show(tree_cmd.verify(tree_cmd.VerifyRequest(Path(args.recipe), _need_rootfs(args), _inputs(args))), args)
+    return _show(tree_cmd.verify(tree_cmd.VerifyRequest(Path(args.recipe), _path(args.rootfs), _inputs(args))), args)
 
 
 def cmd_lint(args: argparse.Namespace) -> int:

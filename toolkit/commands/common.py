@@ -117,17 +117,15 @@ def read_json(path: Path, what: str, hint: str) -> dict[str, object]:
     return data
 
 
-def exit_code(report: Report, strict: bool = False) -> int:
-    if not report.ok:
-        return EXIT_FAILED
-    if strict and report.count(State.SUPERSEDED):
-        return EXIT_SUPERSEDED
-    return EXIT_OK
-
-
 def finished(report: Report, strict: bool = False) -> Report:
-    """The report with the exit code its content calls for."""
-    return dataclasses.replace(report, exit_code=exit_code(report, strict))
+    """The report with the exit code its content calls for (strict: a SUPERSEDED transform exits 4)."""
+    if not report.ok:
+        code = EXIT_FAILED
+    elif strict and report.count(State.SUPERSEDED):
+        code = EXIT_SUPERSEDED
+    else:
+        code = EXIT_OK
+    return dataclasses.replace(report, exit_code=code)
 
 
 def chosen_variants(loaded: LoadedRecipe, variant: str | None, all_variants: bool) -> list[Variant]:

@@ -29,7 +29,7 @@ from toolkit.results import Report, Severity
 @dataclass(frozen=True)
 class ApplyRequest:
     recipe: Path
-    rootfs: Path
+    rootfs: Path | None  # a folder laid out like the image (None is refused, saying so)
     inputs: Inputs = field(default_factory=Inputs)
     dry_run: bool = False
     strict: bool = False  # exit 4 when a transform is SUPERSEDED
@@ -94,7 +94,7 @@ def diff(request: DiffRequest) -> Report:
 @dataclass(frozen=True)
 class VerifyRequest:
     recipe: Path
-    rootfs: Path
+    rootfs: Path | None  # a folder laid out like the image (None is refused, saying so)
     inputs: Inputs = field(default_factory=Inputs)
 
 

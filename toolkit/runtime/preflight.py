@@ -84,17 +84,15 @@ def model_config(model: ModelShape, max_model_len: int, folder: Path, fallback: 
         raise ToolkitError("preflight needs the served model's architecture and model_type",
                            hint="set model.architecture and model.model_type in the recipe, or pass "
                            "--model-config DIR (a folder with the model's config.json)")
-    layers = ["attention" if (i + 1) % model.full_attention_interval == 0 else "linear_attention"
-              for i in range(model.num_layers)]
+    layer_types = ["full_attention" if (i + 1) % model.full_attention_interval == 0 else "linear_attention"
+                   for i in range(model.num_layers)]
     shape: dict[str, Any] = {
         "hidden_size": model.hidden_size, "num_hidden_layers": model.num_layers, "head_dim": model.head_dim,
         "num_key_value_heads": model.num_kv_heads,
         "num_attention_heads": model.num_attention_heads or model.hidden_size // model.head_dim,
         "max_position_embeddings": max(max_model_len, 262144), "torch_dtype": model.dtype, "vocab_size": 32000,
         "rms_norm_eps": 1e-6,
-        "layer_types": ["full_attention" if (i + 1) % model.full_attention_interval == 0 else "linear_attention"
-                        for i in range(model.num_layers)],
-        "full_attention_interval": model.full_attention_interval,
+        "layer_types": layer_types, "full_attention_interval": model.full_attention_interval,
     }
     data: dict[str, Any] = {"architectures": [model.architecture], "model_type": model.model_type}
     if model.text_config:  # a composite config (Qwen3.5/3.6): the text model's shape under text_config
@@ -102,7 +100,8 @@ def model_config(model: ModelShape, max_model_len: int, folder: Path, fallback: 
     else:
         data.update(shape)
     if model.layers_block_type is True:  # serialized by the checkpoint (a switch: the config classes compute it)
-        data["layers_block_type"] = layers
+        data["layers_block_type"] = ["attention" if t == "full_attention" else "linear_attention"
+                                     for t in layer_types]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(data, indent=2))
     return folder
@@ -152,13 +151,12 @@ def _package_sources(loaded: LoadedRecipe, rootfs: Path | None, given: dict[str,
     for package in recipe.packages:
         if not recipe.for_package(package.name):
             continue
-        if rootfs is not None and (package.name in given or package.roots):
+        if rootfs is not None and (package.name in given or package.roots or package.trial_release is None):
+            # with neither roots nor a release, package_roots says what to pass
             out[package.name] = package_roots(recipe, package.name, rootfs, given)[0].path
         elif package.trial_release is not None:
             out[package.name] = reference_root(package.trial_release, recipe.base_image.python,
                                                recipe.base_image.platform).path
-        elif rootfs is not None:
-            out[package.name] = package_roots(recipe, package.name, rootfs, given)[0].path  # says what to pass
     return out
 
 
