@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 
+import runtime_shims
 import torch
 
 REAL = {"hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
@@ -54,7 +55,8 @@ def generate(model, kv_caches, steps=4):
     """Greedy prefill then decode of two prompts over non-contiguous blocks; tokens and the last logits."""
     tables = [[3, 0, 6], [5, 1, 2]]
     prompts = [[(7 * i + 3) % 64 for i in range(19)], [(5 * i + 1) % 64 for i in range(7)]]
-    state = torch.zeros(model.num_linear_layers, 2, model.embed_tokens.embedding_dim)
+    model.mamba_cache = None  # a fresh state slot per run
+    requests = {"request_ids_to_seq_ids": {"a": [0], "b": [1]}, "finished_requests_ids": []}
     for cache in kv_caches:
         cache.zero_()
 
@@ -66,7 +68,7 @@ def generate(model, kv_caches, steps=4):
     slots = [slot(s, p) for s in range(2) for p in range(lens[s])]
     positions = torch.tensor([p for s in range(2) for p in range(lens[s])])
     with torch.no_grad():
-        hidden = model(ids, positions, kv_caches, metadata(lens, lens, tables, slots), mamba_cache=state)
+        hidden = model(ids, positions, kv_caches, metadata(lens, lens, tables, slots), **requests)
         logits = model.compute_logits(hidden[torch.tensor([lens[0] - 1, sum(lens) - 1])])
         out = [logits.argmax(-1).tolist()]
         for _ in range(steps):
@@ -74,7 +76,7 @@ def generate(model, kv_caches, steps=4):
             slots = [slot(s, lens[s]) for s in range(2)]
             lens = [n + 1 for n in lens]
             hidden = model(torch.tensor(out[-1]), positions, kv_caches, metadata(lens, [1, 1], tables, slots),
-                           mamba_cache=state)
+                           **requests)
             logits = model.compute_logits(hidden)
             out.append(logits.argmax(-1).tolist())
     return out, logits
@@ -85,7 +87,7 @@ def main():
     from vllm.model_executor.models import qwen3_5
     from vllm.worker import cache_engine
 
-    cache_engine.is_pin_memory_available = lambda: False  # a CPU torch pins no memory (shim from outside the tree)
+    runtime_shims.on_cpu()
     real, small = checkpoint(REAL), checkpoint(SMALL)
     results = {}
     runs = {}

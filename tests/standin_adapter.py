@@ -20,6 +20,8 @@ import git
 SOURCE = '''\
 """Stand-in for the model adapter's qwen3_5.py (test fixture)."""
 
+import collections
+
 import torch
 import torch.nn.functional as F
 
@@ -128,14 +130,17 @@ class _FullAttention(torch.nn.Module):
         key_cache[slots // block_size, :, :, slots % block_size, :] = k.view(tokens, kvh, dim // pack, pack)
         value_cache[slots // block_size, :, :, slots % block_size] = v
         out, start = [], 0
+        groups = self.heads // kvh
         for seq, seq_len in enumerate(attn_metadata.seq_lens):
             query_len = int(attn_metadata.query_start_loc[seq + 1] - attn_metadata.query_start_loc[seq])
-            positions = torch.arange(seq_len)
+            # as vLLM's paged prefix attention: the context from the cache (the block table may hold only the
+            # cached blocks, on a prefix hit), the step's own tokens from this call's keys and values
+            positions = torch.arange(seq_len - query_len)
             table = attn_metadata.block_tables[seq].long()
             phys, offset = table[positions // block_size], positions % block_size
-            groups = self.heads // kvh
-            keys = key_cache[phys, :, :, offset, :].reshape(seq_len, kvh, dim).repeat_interleave(groups, 1)
-            values = value_cache[phys, :, :, offset].reshape(seq_len, kvh, dim).repeat_interleave(groups, 1)
+            keys = torch.cat([key_cache[phys, :, :, offset, :].reshape(-1, kvh, dim), k[start:start + query_len]])
+            values = torch.cat([value_cache[phys, :, :, offset].reshape(-1, kvh, dim), v[start:start + query_len]])
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
             query = q[start:start + query_len]
             scores = torch.einsum("qhd,khd->hqk", query, keys) * dim ** -0.5
             mask = torch.ones(query_len, seq_len, dtype=torch.bool).triu(seq_len - query_len + 1)
@@ -145,35 +150,51 @@ class _FullAttention(torch.nn.Module):
         return self.o_proj(torch.cat(out))
 
 
-class _LinearAttention(torch.nn.Module):
-    """A recurrent layer whose per-sequence state lives in the mamba cache, not the KV cache (GatedDeltaNet's
-    place in the adapter)."""
+class GatedDeltaNet(torch.nn.Module):
+    """The linear-attention layer, with the adapter's forward signature: a causal conv (kernel 4; its state is the
+    last 3 inputs) then a gated recurrence whose state (decay near 1: it remembers far back, as GatedDeltaNet
+    does) lives in the mamba cache slot of each sequence, never in the KV cache. Prefill and decode rows alike
+    continue from the slot's state (a prefix hit's tokens are not fed again)."""
 
-    def __init__(self, hidden):
+    def __init__(self, hidden, kernel=4):
         super().__init__()
         self.in_proj = torch.nn.Linear(hidden, hidden, bias=False)
         self.out_proj = torch.nn.Linear(hidden, hidden, bias=False)
-        self.decay = torch.nn.Parameter(torch.rand(hidden) * 0.5 + 0.25)
+        self.conv_weight = torch.nn.Parameter(torch.randn(kernel, hidden) / kernel)
+        self.decay = torch.nn.Parameter(torch.rand(hidden) * 0.04 + 0.95)
 
-    def forward(self, x, state, attn_metadata):
-        u, out = self.in_proj(x), []
+    def forward(self, hidden_states, attn_metadata, conv_state, temporal_state):
+        u, out = self.in_proj(hidden_states), []
         for seq in range(len(attn_metadata.seq_lens)):
             for t in range(int(attn_metadata.query_start_loc[seq]), int(attn_metadata.query_start_loc[seq + 1])):
-                state[seq] = self.decay * state[seq] + u[t]
-                out.append(state[seq].clone())
+                window = torch.cat([conv_state[seq], u[t:t + 1]])
+                conv_state[seq] = window[1:]
+                temporal_state[seq] = self.decay * temporal_state[seq] + (window * self.conv_weight).sum(0)
+                out.append(temporal_state[seq].clone())
         return self.out_proj(torch.stack(out))
 
 
 class Qwen3_5ForCausalLM(torch.nn.Module):
     """Dense Qwen3.5/3.6 with the adapter's forward structure: its linear-attention layers read their state from
-    the mamba cache, its full-attention layers kv_caches[attn_idx], attn_idx counting the full-attention layers
-    only (so one KV cache per full-attention layer is all it reads)."""
+    the mamba cache (vLLM's MambaCacheManager, the adapter's mamba_cache.py), its full-attention layers
+    kv_caches[attn_idx], attn_idx counting the full-attention layers only (so one KV cache per full-attention layer
+    is all it reads).
 
-    def __init__(self, config, cache_config=None, quant_config=None, **kwargs):
+    Prefix hits, as the pinned adapter (5a1c8c7) handles them: after a prefill step whose batch holds exactly one
+    sequence, the states after the step's last token are kept (on CPU, an LRU of 16) under the tuple of the physical
+    ids of all complete blocks so far ((context_len + query_len) // block_size); at a prefill step with one sequence
+    and context_len > 0, the tuple of the first context_len // block_size ids is looked up and, when present, copied
+    into the sequence's slot; otherwise the slot keeps what it has (zeroed when the request took it)."""
+
+    has_inner_state = True
+    PREFIX_LRU = 16
+
+    def __init__(self, config, cache_config=None, quant_config=None, scheduler_config=None, **kwargs):
         super().__init__()
         text = getattr(config, "text_config", config)
         hidden = text.hidden_size
         self.block_size = cache_config.block_size if cache_config is not None else 16
+        self.max_batch = scheduler_config.max_num_seqs if scheduler_config is not None else 8
         self.embed_tokens = torch.nn.Embedding(text.vocab_size, hidden)
         self.layers = torch.nn.ModuleList()
         attn_idx = linear_idx = 0
@@ -183,24 +204,70 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
                                                   text.head_dim, attn_idx))
                 attn_idx += 1
             else:
-                layer = _LinearAttention(hidden)
+                layer = GatedDeltaNet(hidden)
                 layer.linear_idx = linear_idx
                 self.layers.append(layer)
                 linear_idx += 1
         self.num_linear_layers = linear_idx
         self.lm_head = torch.nn.Linear(hidden, text.vocab_size, bias=False)
+        self.mamba_cache = None
+        self._gdn_prefix_states = collections.OrderedDict()
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata, mamba_cache=None, **kwargs):
+    def _gdn_prefix_key(self, attn_metadata, tokens):
+        table = attn_metadata.block_tables[0]
+        blocks = tokens // self.block_size
+        return tuple(table[:blocks].tolist()) if 0 < blocks <= table.numel() else None
+
+    def _single_prefill(self, attn_metadata):
+        return attn_metadata.num_prefills == 1 and len(attn_metadata.seq_lens) == 1
+
+    def _restore_gdn_prefix_state(self, attn_metadata, conv_state, temporal_state):
+        if not self._single_prefill(attn_metadata):
+            return
+        key = self._gdn_prefix_key(attn_metadata, int(attn_metadata.context_lens_tensor[0]))
+        if key is not None and key in self._gdn_prefix_states:
+            conv, temporal = self._gdn_prefix_states[key]
+            conv_state[:, 0].copy_(conv)
+            temporal_state[:, 0].copy_(temporal)
+
+    def _save_gdn_prefix_state(self, attn_metadata, conv_state, temporal_state):
+        if not self._single_prefill(attn_metadata):
+            return
+        key = self._gdn_prefix_key(attn_metadata, int(attn_metadata.seq_lens[0]))
+        if key is not None:
+            self._gdn_prefix_states[key] = (conv_state[:, 0].to("cpu", copy=True),
+                                            temporal_state[:, 0].to("cpu", copy=True))
+            self._gdn_prefix_states.move_to_end(key)
+            while len(self._gdn_prefix_states) > self.PREFIX_LRU:
+                self._gdn_prefix_states.popitem(last=False)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate_tensors=None, **kwargs):
+        from vllm.model_executor.models.mamba_cache import MambaCacheManager
+
+        hidden = self.embed_tokens.embedding_dim
+        if self.mamba_cache is None:
+            self.mamba_cache = MambaCacheManager(torch.float32, self.num_linear_layers, self.max_batch,
+                                                 (3, hidden), (hidden,))
+        conv_state, temporal_state = self.mamba_cache.current_run_tensors(input_ids, attn_metadata, **kwargs)
+        self._restore_gdn_prefix_state(attn_metadata, conv_state, temporal_state)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             if isinstance(layer, _FullAttention):
                 h = h + layer(_rms(h), kv_caches[layer.attn_idx], attn_metadata, self.block_size)
             else:
-                h = h + layer(_rms(h), mamba_cache[layer.linear_idx], attn_metadata)
+                h = h + layer(_rms(h), attn_metadata, conv_state[layer.linear_idx], temporal_state[layer.linear_idx])
+        self._save_gdn_prefix_state(attn_metadata, conv_state, temporal_state)
         return _rms(h)
 
     def compute_logits(self, hidden_states, sampling_metadata=None):
+        if sampling_metadata is not None:
+            hidden_states = hidden_states.index_select(0, sampling_metadata.selected_token_indices)
         return self.lm_head(hidden_states)
+
+    def sample(self, logits, sampling_metadata):
+        from vllm.model_executor.layers.sampler import Sampler
+
+        return Sampler()(logits, sampling_metadata)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
@@ -384,9 +451,9 @@ CONFIGS = {"qwen3_5": _config("qwen3_5", "Qwen3_5", "qwen3_5", "qwen3_5_vision",
 # adapter file -> (vendor file it replaces, what the stand-in changes in the public file)
 REPLACEMENTS = {
     "paged_attn.py": ("vllm/attention/ops/paged_attn.py", "the V1/V2 choice moved into a function that forces V1"),
-    "mamba_cache.py": ("vllm/model_executor/models/mamba_cache.py", "a comment"),
-    "sequence.py": ("vllm/sequence.py", "a comment"),
-    "scheduler.py": ("vllm/core/scheduler.py", "a comment"),
+    "mamba_cache.py": ("vllm/model_executor/models/mamba_cache.py", "a request's state slot zeroed when it takes it"),
+    "sequence.py": ("vllm/sequence.py", "RequestMetrics.num_cached_tokens"),
+    "scheduler.py": ("vllm/core/scheduler.py", "num_cached_tokens recorded as the block manager's whole hit"),
     "protocol.py": ("vllm/entrypoints/openai/protocol.py", "a comment; CRLF line endings"),
     "cli_args.py": ("vllm/entrypoints/openai/cli_args.py", "--reasoning-parser after --tool-parser-plugin"),
     "serving_chat.py": ("vllm/entrypoints/openai/serving_chat.py", "a comment"),
@@ -413,6 +480,27 @@ REASONING_FLAG = '''    parser.add_argument(
         "--tool-parser-plugin",'''
 
 
+# (anchor in the public file, what the stand-in adds after it), as the adapter's replacements do
+EDITS = {
+    "mamba_cache.py": [("""            self.mamba_cache_indices_mapping[cur_rid] = {
+                seq_id: destination_index
+            }
+""", """            for cache_t in self.mamba_cache:
+                cache_t[:, destination_index].zero_()
+""")],
+    "sequence.py": [("""    model_execute_time: Optional[float] = None
+""", """    num_cached_tokens: Optional[int] = None
+""")],
+    "scheduler.py": [("""                common_computed_block_nums = (
+                    self.block_manager.get_common_computed_block_ids(
+                        seq_group.get_seqs(status=SequenceStatus.RUNNING)))
+""", """                if seq_group.is_prefill():
+                    seq_group.metrics.num_cached_tokens = (
+                        len(common_computed_block_nums) * self.block_manager.block_size)
+""")],
+}
+
+
 def replacement(name: str, vendor_text: str) -> str:
     if name == "paged_attn.py":
         text, n = V1_CHOICE.subn("use_v1 = PagedAttention._should_use_paged_attention_v1(\n"
@@ -420,6 +508,12 @@ def replacement(name: str, vendor_text: str) -> str:
         text = text.replace("    @staticmethod\n    def forward_decode(", V1_FUNCTION, 1)
         assert n == 1 and V1_FUNCTION in text, "the public paged_attn.py changed"
         return text
+    if name in EDITS:
+        text = vendor_text
+        for anchor, addition in EDITS[name]:
+            assert text.count(anchor) == 1, f"the public {name} changed"
+            text = text.replace(anchor, anchor + addition)
+        return text + f"\n# stand-in adapter: replacement of the vendor's {name}\n"
     if name == "cli_args.py":
         anchor = '    parser.add_argument(\n        "--tool-parser-plugin",'
         assert anchor in vendor_text, "the public cli_args.py changed"
