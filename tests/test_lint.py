@@ -12,6 +12,7 @@ import pytest
 import yaml
 from conftest import FLAGSHIP, REPO
 
+from toolkit.errors import RecipeError
 from toolkit.lint import RULES, lint
 from toolkit.recipe import load_recipe
 from toolkit.results import Severity
@@ -91,6 +92,8 @@ CASES: list[tuple[str, Severity, Callable[[dict[str, Any]], None], Callable[[dic
      lambda d: d["serve"].__setitem__("workdir", "/workspace")),
     ("source-fetch", Severity.WARNING, lambda d: d["sources"][0].__setitem__("fetch", "image"),
      lambda d: d["sources"][0].__setitem__("fetch", "host")),
+    ("prefix-state", Severity.ERROR, lambda d: d["model"].pop("prefix_state"),
+     both(lambda d: d["model"].pop("prefix_state"), set_args(enable_prefix_caching=None))),
 ]
 # rules that need a vendor tree to compare with (lint --rootfs): their cases are in the test named beside them
 ROOTFS_RULES = {
@@ -191,8 +194,8 @@ def test_flag_added_by_a_deployed_file_is_known(tmp_path: Path) -> None:
 
     path = write(tmp_path, mutate)
     text = path.read_text().replace(str(REPO / "patches" / "src"), str(patches))
-    for name in ("native_fastpaths", "chat_templates", "hybrid_kv_accounting.py"):
-        (patches / name).symlink_to(REPO / "patches" / "src" / name)
+    for entry in (REPO / "patches" / "src").iterdir():  # the recipe's other deploys find their sources
+        (patches / entry.name).symlink_to(entry)
     path.write_text(text)
     found = issues_of(path, "unknown-flag")
     assert not [i for i in found if "my-flag" in i.message or "my_parser" in i.message]
@@ -278,3 +281,51 @@ def test_verify_refuses_a_recipe_with_lint_errors(cli, tmp_path: Path, corex_roo
     assert result.code == 1
     assert {i["rule"] for i in result.json()["issues"]} == {"multi-step-backend"}
     assert json.loads(cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json").out)["issues"] == []
+
+
+def without_prefix_state_transforms(data: dict[str, Any]) -> None:
+    data["transforms"] = [t for t in data["transforms"] if not t["id"].startswith("prefix-state")]
+
+
+def test_prefix_state_lint_names_the_failure_and_the_fix(tmp_path: Path, cli) -> None:  # type: ignore[no-untyped-def]
+    """A copy of the flagship without the fix fails (exit 2), whichever way the fix is missing; the flagship passes
+    and says what its checkpoints cost."""
+    copy_path = write(tmp_path, lambda d: d["model"].pop("prefix_state"), "a.yaml")
+    undeclared = issues_of(copy_path, "prefix-state")
+    assert [i.severity for i in undeclared] == [Severity.ERROR]
+    assert "serves different tokens" in undeclared[0].message and "exact-checkpoints" in undeclared[0].fix
+    assert undeclared[0].line == line_of(copy_path, "enable-prefix-caching:")
+
+    refused = issues_of(write(tmp_path, lambda d: d["model"].__setitem__("prefix_state", "none"), "b.yaml"),
+                        "prefix-state")
+    assert [i.severity for i in refused] == [Severity.ERROR] and "prefix_state is none" in refused[0].message
+    fine = issues_of(write(tmp_path, both(lambda d: d["model"].__setitem__("prefix_state", "none"),
+                                          set_args(enable_prefix_caching=None)), "c.yaml"), "prefix-state")
+    assert fine == []
+
+    unbacked = write(tmp_path, without_prefix_state_transforms, "d.yaml")
+    found = issues_of(unbacked, "prefix-state")
+    assert [i.severity for i in found] == [Severity.ERROR]
+    for needle in ("prefix_state.limit_hit", "prefix_state:gdn_forward",
+                   "prefix_state_plan: Optional"):
+        assert needle in found[0].message, found[0].message
+    assert cli("lint", unbacked).code == 2
+
+    undeployed = write(tmp_path, drop_transform("deploy-native-fastpaths"), "g.yaml")
+    with pytest.raises(RecipeError, match="prefix-state-import-scheduler requires deploy-native-fastpaths"):
+        load_recipe(undeployed)
+
+    half = write(tmp_path, drop_transform("prefix-state-begin-step"), "e.yaml")
+    assert [i.message for i in issues_of(half, "prefix-state") if "lack prefix_state.begin_step:" in i.message]
+
+    unbounded = write(tmp_path, lambda d: d["env"].pop("PREFIX_STATE_CHECKPOINTS"), "f.yaml")
+    assert ["PREFIX_STATE_CHECKPOINTS" in i.message for i in issues_of(unbounded, "prefix-state")] == [True]
+
+    flagship = issues_of(FLAGSHIP, "prefix-state")
+    assert [i.severity for i in flagship] == [Severity.INFO]
+    assert "at most 64 of 15.4 MiB per card" in flagship[0].message and "0.96 GiB" in flagship[0].message
+    assert cli("lint", FLAGSHIP).code == 0
+
+
+def line_of(path: Path, start: str) -> int:
+    return next(n for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith(start))

@@ -75,6 +75,7 @@ def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, stand
     assert all(s["ok"] for s in base.values()), base
     assert base["architecture"]["message"].endswith("vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM")
     assert base["tool-parser"]["ok"] and base["reasoning-parser"]["ok"]
+    assert base["prefix-state"]["message"] == "the 6 prefix-state hooks are in the patched tree"
     assert variants["base"]["config"]["enforce_eager"] is True  # the flag is passed, and it now counts
     refused = {name for name, v in variants.items() if not v["starts"]}
     assert refused == {name for name in variants if "ecp-false" in name}
@@ -312,7 +313,8 @@ def test_a_failure_on_the_reference_says_it_is_not_the_image(cli, python: Path, 
     from standin_adapter import add_commit, make_repo
 
     clone, _ = make_repo(tmp_path, vllm_063)  # its own: the session's stand-in keeps its history
-    later = add_commit(clone, "sequence.py", "from vllm.inputs import NotInThisRelease  # noqa\n",
+    written = (vllm_063 / "vllm" / "sequence.py").read_text()  # what the transforms edit is still there
+    later = add_commit(clone, "sequence.py", "from vllm.inputs import NotInThisRelease  # noqa\n" + written,
                        "sequence.py for another vLLM")
     result = cli("preflight", FLAGSHIP, "--source", f"qwen36-adapter={clone}@{later}", "--json")
     assert result.code == 2

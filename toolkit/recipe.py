@@ -183,6 +183,12 @@ class ModelShape(Strict):
     text_config: bool = Field(
         default=False, description="The served config.json keeps the text model's shape under text_config (a "
         "composite config such as Qwen3.5/3.6's); preflight writes it so")
+    prefix_state: Literal["exact-checkpoints", "none"] | None = Field(
+        default=None, description="How the linear-attention layers' state survives a prefix-cache hit (their state "
+        "is not in the KV cache, and vLLM 0.6.3 feeds a hit's uncached tokens only): `exact-checkpoints`, the "
+        "prefix-state transforms restore a state captured at exactly the hit's block boundary (lint checks the "
+        "recipe has them, preflight the patched files); `none`, nothing carries it, so --enable-prefix-caching is "
+        "refused. Required when a model with linear_attention serves with prefix caching")
     def counts_full_attention_only(self, env: dict[str, str]) -> bool:
         """Whether vLLM 0.6.3 counts only the full-attention layers, with this env."""
         rule = self.layers_block_type

@@ -64,6 +64,19 @@ class KvEstimate:
         return data
 
 
+def linear_state_bytes(model: ModelShape, tp: int) -> int:
+    """One sequence's linear-attention state per card, every linear layer's conv and recurrent state: what the
+    mamba cache holds per sequence, and what one prefix-state checkpoint copies to host memory."""
+    la = model.linear_attention
+    linear_layers = sum(1 for i in range(model.num_layers) if (i + 1) % model.full_attention_interval != 0)
+    if la is None or not linear_layers:
+        return 0
+    state = (la.num_value_heads // tp) * la.key_head_dim * la.value_head_dim * 4  # fp32 recurrent state
+    channels = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+    conv = channels // tp * (la.conv_kernel - 1) * DTYPE_BYTES[model.dtype]
+    return linear_layers * (state + conv)
+
+
 def estimate(model: ModelShape, *, card_gib: float, overhead_gib: float, tp: int, max_model_len: int,
              max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
              kv_cache_dtype: str = "auto", env: dict[str, str] | None = None) -> KvEstimate:
@@ -72,7 +85,6 @@ def estimate(model: ModelShape, *, card_gib: float, overhead_gib: float, tp: int
     dtype = DTYPE_BYTES[model.dtype]
     kv_dtype = DTYPE_BYTES.get(kv_cache_dtype, 0) or dtype
     full_layers = sum(1 for i in range(model.num_layers) if (i + 1) % model.full_attention_interval == 0)
-    linear_layers = model.num_layers - full_layers
     kv_heads = max(1, model.num_kv_heads // tp)  # vLLM replicates KV heads when TP exceeds them
     # vLLM 0.6.3's ModelConfig.get_num_attention_layers: every layer, unless the config's layers_block_type says
     env = env or {}
@@ -87,13 +99,7 @@ def estimate(model: ModelShape, *, card_gib: float, overhead_gib: float, tp: int
                       if full_layers != model.num_layers else f"{model.num_layers} attention layers")
     per_token = attention_layers * 2 * kv_heads * model.head_dim * kv_dtype
     tokens = -(-max_model_len // BLOCK_SIZE) * BLOCK_SIZE
-    linear = 0
-    if model.linear_attention is not None and linear_layers:
-        la = model.linear_attention
-        state = (la.num_value_heads // tp) * la.key_head_dim * la.value_head_dim * 4  # fp32 recurrent state
-        channels = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
-        conv = channels // tp * (la.conv_kernel - 1) * dtype
-        linear = linear_layers * (state + conv) * max_num_seqs
+    linear = linear_state_bytes(model, tp) * max_num_seqs
     weights = model.params_b * 1e9 * dtype / tp
     activations = max_num_batched_tokens * model.hidden_size * dtype * ACTIVATION_BUFFERS
     budget = card_gib * GIB * gpu_memory_utilization

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from packaging.version import Version
 
 from toolkit.lint.context import LintContext, rule
-from toolkit.lint.kv import estimate
+from toolkit.lint.kv import GIB, estimate, linear_state_bytes
 from toolkit.lint.vllm_cli import (
     flags_in_source,
     python_files,
@@ -156,6 +156,59 @@ def kv_cache(ctx: LintContext) -> Iterator[Issue]:
                     ctx.line_of_arg("max-model-len"))
     else:
         yield Issue("kv-cache", INFO, est.summary(), "nothing to do", ctx.line_of_arg("max-model-len"))
+
+
+# the calls the prefix-state transforms add (patches/src/native_fastpaths/prefix_state.py HOOKS): a recipe declaring
+# exact-checkpoints must make every one of them (their `requires` make it deploy the module)
+PREFIX_STATE_CALLS = ("prefix_state.begin_schedule", "prefix_state.limit_hit", "prefix_state.attach",
+                      "prefix_state.with_plan", "prefix_state.begin_step", "prefix_state:gdn_forward")
+PREFIX_STATE_FIELDS = ("prefix_state: Optional", "prefix_state_plan: Optional")
+PREFIX_STATE_FAILURE = ("the linear-attention layers' state is not in the KV cache and vLLM 0.6.3 feeds only a hit's "
+                        "uncached tokens, so a prefix hit serves different tokens (faster, silently)")
+
+
+@rule("prefix-state", E, "prefix caching on a model with linear attention, without exact state checkpoints")
+def prefix_state(ctx: LintContext) -> Iterator[Issue]:
+    model = ctx.recipe.model
+    if model is None or model.linear_attention is None:
+        return
+    caching = ctx.has_flag("enable-prefix-caching")
+    line = ctx.line_of_arg("enable-prefix-caching")
+    declared = model.prefix_state
+    if declared is None:
+        if caching:
+            yield Issue("prefix-state", E, f"enable-prefix-caching on a model with linear_attention, and "
+                        f"model.prefix_state is not declared: {PREFIX_STATE_FAILURE}",
+                        "declare model.prefix_state: exact-checkpoints (with the prefix-state transforms, "
+                        "README: Prefix caching), or turn enable-prefix-caching off", line)
+        return
+    if declared == "none":
+        if caching:
+            yield Issue("prefix-state", E, f"model.prefix_state is none but enable-prefix-caching is on: "
+                        f"{PREFIX_STATE_FAILURE}",
+                        "turn enable-prefix-caching off, or declare exact-checkpoints with its transforms",
+                        line)
+        return
+    text = "\n".join(t.model_dump_json() for t in ctx.recipe.transforms)
+    missing = [call for call in (*PREFIX_STATE_CALLS, *PREFIX_STATE_FIELDS) if call not in text]
+    model_line = ctx.loaded.line_of("model", "prefix_state")
+    if missing:
+        yield Issue("prefix-state", E, "model.prefix_state is exact-checkpoints but the recipe's transforms lack "
+                    f"{', '.join(missing)}: without them {PREFIX_STATE_FAILURE}",
+                    "add the prefix-state transforms (see recipes/bi100-qwen36.yaml, ids prefix-state*)",
+                    model_line)
+        return
+    capacity = ctx.recipe.env.get("PREFIX_STATE_CHECKPOINTS")
+    if capacity is None or not capacity.isdigit():
+        yield Issue("prefix-state", E, "exact-checkpoints holds its checkpoints in host memory: their number must "
+                    "be declared (env PREFIX_STATE_CHECKPOINTS)" + (f", not {capacity!r}" if capacity else ""),
+                    'set env PREFIX_STATE_CHECKPOINTS to a count, e.g. "64"',
+                    ctx.line_of_env("PREFIX_STATE_CHECKPOINTS") or model_line)
+        return
+    each = linear_state_bytes(model, ctx.int_arg("tensor-parallel-size", 1) or 1)
+    yield Issue("prefix-state", INFO, f"prefix-state checkpoints: at most {capacity} of {each / 2**20:.1f} MiB "
+                f"per card in host memory = {int(capacity) * each / GIB:.2f} GiB per card",
+                "nothing to do (PREFIX_STATE_CHECKPOINTS bounds it)", ctx.line_of_env("PREFIX_STATE_CHECKPOINTS"))
 
 
 def _known_flags(ctx: LintContext) -> tuple[set[str], set[str], dict[str, str]]:

@@ -256,6 +256,8 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
         request = {"hardware": {"count": recipe.hardware.count, "memory_gb": recipe.hardware.memory_gb},
                    "kv_switch": switch.model_dump() if not isinstance(switch, bool | None) else None,
                    "attention_backends": recipe.base_image.attention_backends,
+                   "prefix_state": recipe.model.prefix_state if recipe.model is not None and not missing_sources
+                   else None,
                    "variants": requests, "roots": [str(tree.vendor)], "trees": [str(p) for p in tree.paths],
                    "env": sorted(recipe.env)}
         # one process for every variant: importing vLLM once costs seconds
@@ -289,6 +291,9 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
         if missing_sources:
             outcome.not_checked.append(f"what source(s) {', '.join(sorted(missing_sources))} register (tool and "
                                        "reasoning parsers, the model's module) is checked by the in-image step")
+            if recipe.model is not None and recipe.model.prefix_state == "exact-checkpoints":
+                outcome.not_checked.append("the prefix-state hooks (the model's GatedDeltaNet comes from "
+                                           f"{', '.join(sorted(missing_sources))}: the in-image step applies them)")
     env_reads = result.get("env", {})
     for outcome in outcomes:
         unread = [n for n, where in env_reads.items() if not where and not n.startswith(OUTSIDE_THE_TREE)]

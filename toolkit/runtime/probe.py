@@ -149,7 +149,24 @@ def _stages(request: dict[str, Any], variant: dict[str, Any], out: dict[str, Any
         stages.append(_failure("kv", exc))
     stages.extend(_attention(request, config))
     stages.extend(_registrations(args, config))
+    stages.extend(_prefix_state(request, config))
     return out
+
+
+def _prefix_state(request: dict[str, Any], config: Any) -> list[dict[str, Any]]:
+    """model.prefix_state exact-checkpoints, against the patched files: every hook the transforms add is there."""
+    if request.get("prefix_state") != "exact-checkpoints" or not config.cache_config.enable_prefix_caching:
+        return []
+    try:
+        from native_fastpaths import prefix_state  # type: ignore[import-not-found]  # the patched tree's
+
+        gaps = prefix_state.missing_hooks()
+    except Exception as exc:
+        return [_failure("prefix-state", exc)]
+    return [{"stage": "prefix-state", "ok": not gaps, "type": "" if not gaps else "MissingHook",
+             "message": f"the {len(prefix_state.HOOKS) + len(prefix_state.FIELDS)} prefix-state hooks are in the "
+             "patched tree" if not gaps else "model.prefix_state is exact-checkpoints but the patched tree lacks "
+             + "; ".join(gaps)}]
 
 
 def _kv(config: Any) -> dict[str, Any]:

@@ -1,0 +1,283 @@
+"""Prefix caching and the hybrid model's linear-attention state, through vLLM 0.6.3's own code on the CPU runtime.
+
+Run with a patched vendor root (and the patched transformers) first on sys.path (see test_prefix_state.py). An
+engine loop as LLMEngine's: vLLM's Scheduler with its prefix-caching block manager, ModelRunner.prepare_model_input
+(the builder's prefix-hit trimming, the attention metadata, the sampling metadata) and ModelRunner.execute_model
+(the sampler), around the stand-in adapter's hybrid model (full attention over vLLM's paged cache from its
+CacheEngine, GatedDeltaNet state in vLLM's MambaCacheManager, the adapter's own prefix LRU). Each case runs twice,
+prefix caching on and off, and the later request's greedy tokens and logits are compared. Prints one JSON object.
+
+argv: [cases...] (default: all), or `workload` for the conversation workload's hit rates.
+"""
+
+import json
+import os
+import socket
+import sys
+import tempfile
+
+import runtime_shims
+import torch
+
+BLOCK = 16
+CONFIG = {"hidden_size": 32, "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "head_dim": 32, "vocab_size": 64, "torch_dtype": "float32", "full_attention_interval": 4,
+          "max_position_embeddings": 4096}
+
+
+def checkpoint():
+    folder = tempfile.mkdtemp(prefix="prefix-state-config-")
+    with open(os.path.join(folder, "config.json"), "w") as handle:
+        json.dump({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe",
+                   "torch_dtype": "float32", "text_config": CONFIG}, handle)
+    return folder
+
+
+def distributed():
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+    initialize_model_parallel(1, 1)
+
+
+class Engine:
+    """What LLMEngine.step does around the scheduler and the model runner, without tokenizer or detokenizer."""
+
+    def __init__(self, folder, prefix_caching, blocks=64, budget=512, max_seqs=4):
+        from vllm.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig
+        from vllm.core.scheduler import Scheduler
+        from vllm.model_executor.models import qwen3_5
+        from vllm.worker.cache_engine import CacheEngine
+        from vllm.worker.model_runner import ModelRunner
+
+        model_config = ModelConfig(folder, folder, "auto", False, "float32", 0, max_model_len=1024,
+                                   enforce_eager=True, skip_tokenizer_init=True)  # as the flagship serves
+        parallel = ParallelConfig(1, 1, False)
+        cache = CacheConfig(BLOCK, 0.9, 0, "auto", enable_prefix_caching=prefix_caching)
+        cache.num_gpu_blocks, cache.num_cpu_blocks = blocks, 0
+        scheduler_config = SchedulerConfig(budget, max_seqs, 1024, use_v2_block_manager=True,
+                                           enable_chunked_prefill=True)
+        self.scheduler = Scheduler(scheduler_config, cache, None)
+        self.runner = ModelRunner(model_config, parallel, scheduler_config, DeviceConfig("cpu"), cache,
+                                  LoadConfig(), None, is_driver_worker=True)
+        torch.manual_seed(0)
+        self.runner.model = qwen3_5.Qwen3_5MoeForCausalLM(model_config.hf_config, cache,
+                                                          scheduler_config=scheduler_config).eval()
+        self.kv_caches = CacheEngine(cache, model_config, parallel, DeviceConfig("cpu")).gpu_cache
+        try:
+            from native_fastpaths import prefix_state
+            prefix_state.STORE.states.clear()  # a fresh server holds no checkpoint
+        except ImportError:
+            pass
+        self.groups, self.logits, self.next_seq = {}, {}, 0
+        self._rows = []
+        compute_logits = self.runner.model.compute_logits
+
+        def recording(hidden_states, sampling_metadata=None):
+            logits = compute_logits(hidden_states, sampling_metadata)
+            for row, request_id in enumerate(self._rows):
+                self.logits.setdefault(request_id, []).append(logits[row].clone())
+            return logits
+
+        self.runner.model.compute_logits = recording
+
+    def add(self, request_id, tokens, max_tokens):
+        from vllm.sampling_params import SamplingParams
+        from vllm.sequence import Sequence, SequenceGroup
+
+        seq = Sequence(self.next_seq, {"prompt_token_ids": list(tokens)}, BLOCK)
+        self.next_seq += 1
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        group = SequenceGroup(request_id, [seq], arrival_time=0.0, sampling_params=params)
+        self.scheduler.add_seq_group(group)
+        self.groups[request_id] = group
+
+    def step(self):
+        from vllm.sequence import SequenceStatus
+
+        metas, outputs, _ = self.scheduler.schedule()
+        if not outputs.scheduled_seq_groups:
+            return False
+        finished = self.scheduler.get_and_reset_finished_requests_ids()
+        model_input = self.runner.prepare_model_input(metas, 0, finished)
+        self._rows = [m.request_id for m in metas if m.do_sample for _ in m.seq_data]
+        sampled = self.runner.execute_model(model_input, self.kv_caches)[0]
+        for scheduled, meta, group_output in zip(outputs.scheduled_seq_groups, metas, sampled.outputs, strict=True):
+            group = scheduled.seq_group
+            group.update_num_computed_tokens(scheduled.token_chunk_size)
+            if not meta.do_sample:
+                continue
+            for sample in group_output.samples:
+                seq = group.seqs[0]
+                seq.append_token_id(sample.output_token, sample.logprobs)
+                if seq.get_output_len() >= group.sampling_params.max_tokens:
+                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        self.scheduler.free_finished_seq_groups()
+        return True
+
+    def run(self, until=None):
+        while (until is None or not until()) and self.step():
+            pass
+
+    def decoding(self, request_id):
+        group = self.groups[request_id]
+        return not group.is_prefill() and group.seqs[0].get_output_len() > 0
+
+    def tokens(self, request_id):
+        return self.groups[request_id].seqs[0].get_output_token_ids()
+
+    def cached_tokens(self, request_id):
+        return getattr(self.groups[request_id].metrics, "num_cached_tokens", None)
+
+
+def prompt(seed, length):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CONFIG["vocab_size"], (length,), generator=g).tolist()
+
+
+A = prompt(1, 100)
+
+
+def control(engine):
+    engine.add("A", A, 4)
+    engine.run()
+    engine.add("X", prompt(2, 110), 6)
+    engine.run()
+
+
+def exact(engine):
+    """(c) the hit is exactly A's saved key (6 full blocks), but A's saved state holds its tokens 96..99 too."""
+    engine.add("A", A, 4)
+    engine.run()
+    engine.add("X", A[:96] + prompt(3, 14), 6)
+    engine.run()
+
+
+def shared(engine):
+    """(a) a shared system prefix: 3 full blocks in common, a length no state was saved at."""
+    engine.add("A", A, 4)
+    engine.run()
+    engine.add("X", A[:48] + prompt(4, 62), 6)
+    engine.run()
+
+
+def mixed(engine):
+    """(b) the hit of (c) while another request decodes: the step holds two sequences."""
+    engine.add("A", A, 4)
+    engine.run()
+    engine.add("E", prompt(5, 40), 30)
+    engine.run(until=lambda: engine.decoding("E"))
+    engine.add("X", A[:96] + prompt(3, 14), 6)
+    engine.run()
+
+
+def reused(engine):
+    """(d) physical block 0 held K's content when K's state was saved under (0,); after an eviction it holds G's,
+    and X hits G's block: the block-id key finds K's state."""
+    engine.add("K", prompt(6, 16), 1)
+    engine.run()
+    engine.add("A2", prompt(7, 20), 1)
+    engine.run()
+    engine.add("H", prompt(8, 20), 10)
+    engine.run(until=lambda: engine.decoding("H"))
+    engine.add("G", prompt(9, 20), 1)  # beside H's decode: the adapter saves nothing for it
+    engine.run()
+    engine.add("X", prompt(9, 20)[:16] + prompt(10, 4), 6)
+    engine.run()
+
+
+def chunked(engine):
+    """Chunked prefill of 32-token chunks across (c)'s hit, with a checkpoint every block: each chunk skips up to
+    the last checkpoint strictly inside it and carries its state to the next."""
+    engine.add("A", A, 4)
+    engine.run()
+    engine.add("X", A[:96] + prompt(3, 14), 6)
+    engine.run()
+
+
+CASES = {"control": (control, {}), "exact": (exact, {}), "shared": (shared, {}), "mixed": (mixed, {}),
+         "reused": (reused, {"blocks": 4}), "chunked": (chunked, {"budget": 32, "interval": 16}),
+         "switched-off": (exact, {"switch": "0"})}
+
+
+def conversations(engine, sessions=4, turns=3, concurrency=2):
+    """The official shape, in tokens: cumulative multi-turn sessions whose requests all start with the same
+    system prompt and tool schemas; each later turn re-renders the earlier answer without its first 3 tokens (the
+    reasoning the chat template drops) and adds a user message. Two sessions run at a time."""
+    system_and_tools = prompt(20, 24) + prompt(21, 80)
+    history = {s: system_and_tools + prompt(30 + s, 20) for s in range(sessions)}
+    records = []
+    for first in range(0, sessions, concurrency):
+        group = range(first, min(first + concurrency, sessions))
+        for turn in range(turns):
+            for s in group:
+                engine.add(f"s{s}t{turn}", history[s], 8)
+            engine.run()
+            for s in group:
+                rid = f"s{s}t{turn}"
+                answer = list(engine.tokens(rid))
+                records.append({"request": rid, "prompt": len(history[s]), "cached": engine.cached_tokens(rid) or 0,
+                                "tokens": answer})
+                history[s] = history[s] + answer[3:] + prompt(100 * s + turn, 24)
+    return records
+
+
+def workload(folder):
+    """Hit rate, tokens recomputed and wrong answers of the conversation workload, cache on against cache off."""
+    runs = {}
+    for caching in (True, False):
+        engine = Engine(folder, caching, blocks=256)
+        runs[caching] = (conversations(engine), store_bytes())
+    on, off = runs[True][0], runs[False][0]
+    prompt_tokens = sum(r["prompt"] for r in on)
+    cached = sum(r["cached"] for r in on)
+    return {"requests": len(on), "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+            "cache_hit_rate": cached / prompt_tokens, "recomputed_tokens": prompt_tokens - cached,
+            "wrong_answers": sum(a["tokens"] != b["tokens"] for a, b in zip(on, off, strict=True)),
+            "checkpoint_bytes": runs[True][1]}
+
+
+def case(folder, name):
+    scenario, options = CASES[name]
+    options = dict(options)
+    os.environ["PREFIX_STATE_INTERVAL"] = str(options.pop("interval", 4096))
+    os.environ["PREFIX_STATE"] = options.pop("switch", "1")
+    runs, held = {}, {}
+    for caching in (True, False):
+        engine = Engine(folder, caching, **options)
+        scenario(engine)
+        runs[caching], held[caching] = engine, store_bytes()
+    on, off = runs[True], runs[False]
+    diff = max(float((a - b).abs().max()) for a, b in zip(on.logits["X"], off.logits["X"], strict=True))
+    spread = min(float(row.max() - row.min()) for row in off.logits["X"])
+    return {"tokens_on": on.tokens("X"), "tokens_off": off.tokens("X"), "max_abs_logit_diff": diff,
+            "smallest_logit_spread": spread, "cached_tokens": on.cached_tokens("X"),
+            "checkpoint_bytes": held[True]}
+
+
+def store_bytes():
+    try:
+        from native_fastpaths import prefix_state
+    except ImportError:
+        return None
+    return prefix_state.STORE.nbytes()
+
+
+def main():
+    runtime_shims.on_cpu()
+    distributed()
+    folder = checkpoint()
+    if sys.argv[1:] == ["workload"]:
+        json.dump(workload(folder), sys.__stdout__)
+        return
+    names = sys.argv[1:] or list(CASES)
+    json.dump({name: case(folder, name) for name in names}, sys.__stdout__)
+
+
+if __name__ == "__main__":
+    sys.stdout = sys.stderr
+    main()

@@ -1,0 +1,114 @@
+"""Prefix caching on the hybrid model (`pytest -k prefix_state`): the pinned adapter's block-id state LRU changes
+the served tokens, the flagship's prefix-state transforms make them equal to a run without the cache.
+
+The harness (tests/runtime_prefix_state.py) drives vLLM 0.6.3's own scheduler, prefix-caching block manager, model
+runner and sampler on the CPU runtime, over the CoreX-like tree with the stand-in adapter, patched by the flagship
+(and by the flagship without its prefix-state transforms: the adapter as pinned).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FLAGSHIP, REPO, roots_of, transformers_site
+from test_preflight import recipe_copy, runtime_env
+
+from toolkit.cli import main
+from toolkit.runtime.env import runtime
+
+CASES = ("control", "exact", "shared", "mixed", "reused", "chunked", "switched-off")
+TOLERANCE = 1e-4  # the same tokens computed in different batch shapes: float32 rounding, nothing more
+
+
+def without_prefix_state(data: dict[str, Any]) -> None:
+    data["transforms"] = [t for t in data["transforms"] if not t["id"].startswith("prefix-state")]
+
+
+@pytest.fixture(scope="module")
+def pinned(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, adapter_args: list[str],
+           transformers_455: Path) -> dict[str, Any]:
+    """The harness on the adapter as pinned (the flagship without its prefix-state transforms)."""
+    return _run(tmp_path_factory.mktemp("pinned"), corex_template, adapter_args, transformers_455, fixed=False)
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, adapter_args: list[str],
+          transformers_455: Path) -> dict[str, Any]:
+    """The harness on the flagship as committed."""
+    return _run(tmp_path_factory.mktemp("fixed"), corex_template, adapter_args, transformers_455, fixed=True)
+
+
+def _run(tmp: Path, template: Path, adapter_args: list[str], transformers: Path, fixed: bool) -> dict[str, Any]:
+    rootfs = tmp / "rootfs"
+    shutil.copytree(template, rootfs, symlinks=True)
+    recipe = FLAGSHIP if fixed else recipe_copy(tmp / "recipe", without_prefix_state)
+    site = transformers_site(rootfs, transformers, full=True)
+    assert main(["apply", str(recipe), "--rootfs", str(rootfs), *adapter_args, "--package-root",
+                 f"transformers={site}"]) == 0
+    env = dict(runtime_env(tmp, site, roots_of(rootfs)[1]), VLLM_ATTENTION_BACKEND="XFORMERS")
+    result: dict[str, Any] = {}
+    for argv in ([], ["workload"]):
+        proc = subprocess.run([str(runtime()), str(REPO / "tests" / "runtime_prefix_state.py"), *argv],
+                              capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        result.update(json.loads(proc.stdout) if not argv else {"workload": json.loads(proc.stdout)})
+    print(json.dumps(result, indent=1))  # the per-case evidence, in the test's output
+    return result
+
+
+def test_prefix_state_the_pinned_adapter_changes_the_tokens(pinned: dict[str, Any]) -> None:
+    """Each of (a)-(d) serves different logits with the cache on; the control does not (so the harness can tell)."""
+    assert pinned["control"]["max_abs_logit_diff"] < TOLERANCE, pinned["control"]
+    assert pinned["control"]["tokens_on"] == pinned["control"]["tokens_off"]
+    for name in CASES[1:]:
+        got = pinned[name]
+        assert got["max_abs_logit_diff"] > 100 * TOLERANCE, (name, got)
+        assert got["cached_tokens"] > 0, (name, got)  # the adapter's count: the whole hit, served wrong
+    assert any(pinned[n]["tokens_on"] != pinned[n]["tokens_off"] for n in CASES[1:])
+
+
+def test_prefix_state_the_flagship_serves_the_same_tokens(fixed: dict[str, Any]) -> None:
+    for name in CASES:
+        got = fixed[name]
+        assert got["tokens_on"] == got["tokens_off"], (name, got)
+        assert got["max_abs_logit_diff"] < TOLERANCE, (name, got)
+        assert got["smallest_logit_spread"] > 1e-2, (name, got)  # real logits, not a constant
+    # what was skipped, exactly: A's checkpoint at its prompt's last block boundary; none at 48 tokens yet; G's at
+    # 16; in 32-token chunks, up to the last checkpoint strictly inside each of the three chunks the hit covers
+    assert {n: fixed[n]["cached_tokens"] for n in CASES} == {
+        "control": 0, "exact": 96, "shared": 0, "mixed": 96, "reused": 16, "chunked": 48, "switched-off": 0}
+    assert all(fixed[n]["checkpoint_bytes"] > 0 for n in CASES if n != "switched-off")
+    assert fixed["switched-off"]["checkpoint_bytes"] == 0  # PREFIX_STATE=0: no hit, nothing captured
+
+
+def test_prefix_state_preflight_checks_the_declaration_against_the_patched_files(
+        cli: Any, standin: tuple[Path, str], tmp_path: Path) -> None:
+    """A recipe that declares exact-checkpoints and lacks one hook is refused by preflight, naming the hook."""
+    clone, commit = standin
+    recipe = recipe_copy(tmp_path, lambda d: d.__setitem__(
+        "transforms", [t for t in d["transforms"] if t["id"] != "prefix-state-begin-step"]))
+    result = cli("preflight", recipe, "--source", f"qwen36-adapter={clone}@{commit}", "--json")
+    assert result.code == 2, result.err[-2000:]
+    base = next(v for v in result.json()["variants"] if v["variant"] == "base")
+    stage = next(s for s in base["stages"] if s["stage"] == "prefix-state")
+    assert not stage["ok"] and stage["type"] == "MissingHook"
+    assert stage["message"] == ("model.prefix_state is exact-checkpoints but the patched tree lacks "
+                                "vllm.worker.model_runner:ModelRunner.execute_model: no call to "
+                                "prefix_state.begin_step")
+
+
+def test_prefix_state_the_conversation_workload_hit_rate_is_real(pinned: dict[str, Any],
+                                                                  fixed: dict[str, Any]) -> None:
+    """Cumulative multi-turn sessions with a shared system prompt and tools: the pinned adapter reports more cached
+    tokens and serves wrong answers; the flagship reports only what it skipped, still more than half, all right."""
+    wrong, right = pinned["workload"], fixed["workload"]
+    assert wrong["prompt_tokens"] == right["prompt_tokens"] and right["requests"] == 12
+    assert wrong["wrong_answers"] > 0 and right["wrong_answers"] == 0
+    assert 0.5 < right["cache_hit_rate"] < wrong["cache_hit_rate"]
+    assert right["recomputed_tokens"] == right["prompt_tokens"] - right["cached_tokens"]
+    assert right["checkpoint_bytes"] > 0
