@@ -6,23 +6,12 @@ per switch, the largest difference between the two and whether the native path i
 
 import json
 import os
-import socket
 import sys
 
+import runtime_shims
 import torch
 
 os.environ.update(NATIVE_PROFILE="1", MOE_SMALL_BATCH_VARIANT="segments")  # fixed path names to look for
-
-
-def distributed():
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    initialize_model_parallel(1, 1)
 
 
 def compare(name, call, profile_name, results):
@@ -42,7 +31,7 @@ def compare(name, call, profile_name, results):
 
 
 def main():
-    distributed()
+    runtime_shims.distributed()
     from vllm.model_executor.layers.fused_moe import FusedMoE
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
     from vllm.model_executor.models import qwen3_5

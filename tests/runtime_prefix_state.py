@@ -12,7 +12,6 @@ argv: [cases...] (default: all), or `workload` for the conversation workload's h
 
 import json
 import os
-import socket
 import sys
 import tempfile
 
@@ -31,17 +30,6 @@ def checkpoint():
         json.dump({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe",
                    "torch_dtype": "float32", "text_config": CONFIG}, handle)
     return folder
-
-
-def distributed():
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
-    initialize_model_parallel(1, 1)
 
 
 class Engine:
@@ -269,7 +257,7 @@ def store_bytes():
 
 def main():
     runtime_shims.on_cpu()
-    distributed()
+    runtime_shims.distributed()
     folder = checkpoint()
     if sys.argv[1:] == ["workload"]:
         json.dump(workload(folder), sys.__stdout__)
