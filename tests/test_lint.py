@@ -306,8 +306,8 @@ def test_prefix_state_lint_names_the_failure_and_the_fix(tmp_path: Path, cli) ->
     unbacked = write(tmp_path, without_prefix_state_transforms, "d.yaml")
     found = issues_of(unbacked, "prefix-state")
     assert [i.severity for i in found] == [Severity.ERROR]
-    for needle in ("prefix_state.limit_hit", "prefix_state:gdn_forward",
-                   "prefix_state_plan: Optional"):
+    for needle in ("prefix_state.limit_hit (in Scheduler.schedule)", "gdn_forward (in GatedDeltaNet.forward)",
+                   "prefix_state_plan: Optional (in ModelInputForGPU)"):
         assert needle in found[0].message, found[0].message
     assert cli("lint", unbacked).code == 2
 
@@ -316,7 +316,8 @@ def test_prefix_state_lint_names_the_failure_and_the_fix(tmp_path: Path, cli) ->
         load_recipe(undeployed)
 
     half = write(tmp_path, drop_transform("prefix-state-begin-step"), "e.yaml")
-    assert [i.message for i in issues_of(half, "prefix-state") if "lack prefix_state.begin_step:" in i.message]
+    assert [i.message for i in issues_of(half, "prefix-state")
+            if "lack prefix_state.begin_step (in ModelRunner.execute_model):" in i.message]
 
     unbounded = write(tmp_path, lambda d: d["env"].pop("PREFIX_STATE_CHECKPOINTS"), "f.yaml")
     assert ["PREFIX_STATE_CHECKPOINTS" in i.message for i in issues_of(unbounded, "prefix-state")] == [True]

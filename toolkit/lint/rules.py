@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 from collections.abc import Iterator
 
@@ -16,6 +17,7 @@ from toolkit.lint.vllm_cli import (
     release_tool_parsers,
     tool_parsers_in_source,
 )
+from toolkit.resources import resource
 from toolkit.results import Issue, Severity
 from toolkit.transforms.base import ModuleEdit
 
@@ -158,13 +160,21 @@ def kv_cache(ctx: LintContext) -> Iterator[Issue]:
         yield Issue("kv-cache", INFO, est.summary(), "nothing to do", ctx.line_of_arg("max-model-len"))
 
 
-# the calls the prefix-state transforms add (patches/src/native_fastpaths/prefix_state.py HOOKS): a recipe declaring
-# exact-checkpoints must make every one of them (their `requires` make it deploy the module)
-PREFIX_STATE_CALLS = ("prefix_state.begin_schedule", "prefix_state.limit_hit", "prefix_state.attach",
-                      "prefix_state.with_plan", "prefix_state.begin_step", "prefix_state:gdn_forward")
-PREFIX_STATE_FIELDS = ("prefix_state: Optional", "prefix_state_plan: Optional")
 PREFIX_STATE_FAILURE = ("the linear-attention layers' state is not in the KV cache and vLLM 0.6.3 feeds only a hit's "
                         "uncached tokens, so a prefix hit serves different tokens (faster, silently)")
+
+
+def prefix_state_hooks() -> dict[str, list[str]]:
+    """What a recipe declaring exact-checkpoints must write, by the scope it goes in: every call and field of the
+    runtime's own table (HOOKS, FIELDS in the toolkit's native_fastpaths/prefix_state.py, read without importing
+    it); the transforms' `requires` make it deploy the module."""
+    tree = ast.parse((resource("patches") / "native_fastpaths" / "prefix_state.py").read_text(encoding="utf-8"))
+    table = {target.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+             for target in node.targets if isinstance(target, ast.Name) and target.id in ("HOOKS", "FIELDS")}
+    needed = {ref.partition(":")[2]: list(calls) for ref, calls in table["HOOKS"].items()}
+    for ref, field in table["FIELDS"].items():
+        needed.setdefault(ref.partition(":")[2], []).append(f"{field}: Optional")
+    return needed
 
 
 @rule("prefix-state", E, "prefix caching on a model with linear attention, without exact state checkpoints")
@@ -189,8 +199,12 @@ def prefix_state(ctx: LintContext) -> Iterator[Issue]:
                         "turn enable-prefix-caching off, or declare exact-checkpoints with its transforms",
                         line)
         return
-    text = "\n".join(t.model_dump_json() for t in ctx.recipe.transforms)
-    missing = [call for call in (*PREFIX_STATE_CALLS, *PREFIX_STATE_FIELDS) if call not in text]
+    in_scope: dict[str, str] = {}
+    for t in ctx.recipe.transforms:
+        if isinstance(t, ModuleEdit) and t.scope:
+            in_scope[t.scope] = in_scope.get(t.scope, "") + t.model_dump_json()
+    missing = [f"{needle} (in {scope})" for scope, needles in prefix_state_hooks().items() for needle in needles
+               if needle not in in_scope.get(scope, "")]
     model_line = ctx.loaded.line_of("model", "prefix_state")
     if missing:
         yield Issue("prefix-state", E, "model.prefix_state is exact-checkpoints but the recipe's transforms lack "
