@@ -32,7 +32,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def runtime_files() -> set[str]:
-    """Every file the toolkit opens at run time, where the wheel must hold it: its modules (the probe and the
+    """Every file the toolkit opens at run time, where the wheel must hold it: its modules (the stages script and the
     stand-ins are run as files too) and LAYOUT's resources under toolkit/_data."""
     files = {p.relative_to(REPO).as_posix() for p in (REPO / "toolkit").rglob("*.py") if "__pycache__" not in p.parts}
     for name, rel in LAYOUT.items():

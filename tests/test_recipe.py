@@ -303,22 +303,22 @@ def test_dict_entries_keep_order_and_layout(keys: list[str], new: dict[str, int]
                        entries={k: str(v) for k, v in new.items()}, after=after)
     kind = DictEntriesKind(spec, Context(Path(".")))
     module = cst.parse_module(source)
-    assert kind.probe(module).pre == 1
+    assert kind.count(module).pre == 1
     out = kind.rewrite(module).code
     value = ast.literal_eval(out.split("=", 1)[1].strip())
     order = list(keys)
     at = order.index(after) + 1 if after else len(order)
     order[at:at] = list(new)
     assert list(value) == order
-    probe = kind.probe(cst.parse_module(out))
-    assert (probe.pre, probe.post) == (0, 1)
+    sites = kind.count(cst.parse_module(out))
+    assert (sites.pre, sites.post) == (0, 1)
     if multiline and items:
         assert all(line.startswith(("    ", "M = {", "}")) for line in out.splitlines())
 
 
 def test_the_registry_is_the_one_list_of_kinds() -> None:
     """The recipe's union, the JSON Schema and the engine's dispatch all come from toolkit.transforms.KINDS; each
-    kind's model lives in the module of its behaviour, and a kind edits Python exactly when its behaviour probes."""
+    kind's model lives in the module of its behaviour, and a kind edits Python exactly when it counts sites."""
     from toolkit.recipe import TRANSFORM_MODELS
     from toolkit.transforms import KINDS
 
@@ -330,5 +330,5 @@ def test_the_registry_is_the_one_list_of_kinds() -> None:
         assert mapping[name] == f"#/$defs/{kind.model.__name__}"
         assert TRANSFORM_MODELS[name] is kind.model
         assert kind.model.__module__ == kind.behaviour.__module__, f"{name}: model and behaviour in two modules"
-        assert kind.edits_python == all(hasattr(kind.behaviour, m) for m in ("probe", "rewrite")), name
+        assert kind.edits_python == all(hasattr(kind.behaviour, m) for m in ("count", "rewrite")), name
         assert kind.edits_python != hasattr(kind.behaviour, "plan"), name

@@ -104,7 +104,7 @@ def test_state_is_decided_structurally(name: str, spec: dict[str, Any], source: 
     module = cst.parse_module(source)
     if state is State.WOULD_APPLY:
         # the rewrite lands in the post-state: probing the result again reads SUPERSEDED (no marker here)
-        again = decide(model, kind.probe(kind.rewrite(module)), None)  # type: ignore[arg-type]
+        again = decide(model, kind.count(kind.rewrite(module)), None)  # type: ignore[arg-type]
         assert again.state is State.SUPERSEDED, again.message
 
 

@@ -1,5 +1,5 @@
 """The one per-file evaluation of source transforms, shared by apply, diff, `--dry-run` and verify: decode, parse,
-decide each transform's state from its probe and marker, and (planning) rewrite what is due, or (checking) report
+decide each transform's state from its sites and marker, and (planning) rewrite what is due, or (checking) report
 what is missing."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def evaluate(rel: str, data: bytes | None, kinds: list[EditKind], version: str |
         if why_off:
             out.states.append(Verdict(spec, State.GATED_OFF, why_off, "gate"))
             continue
-        decision = decide(spec, kind.probe(module), markers.get(spec.id))
+        decision = decide(spec, kind.count(module), markers.get(spec.id))
         state, message, at = decision.state, decision.message, decision.field
         if check and state is State.WOULD_APPLY:
             state, message = State.DRIFTED, f"{rel}: {NOT_APPLIED}"
@@ -103,10 +103,10 @@ def evaluate(rel: str, data: bytes | None, kinds: list[EditKind], version: str |
                                              "(per its state file); the file was edited after apply")
         elif state is State.WOULD_APPLY:
             before, module = module, kind.rewrite(module)
-            probe = kind.probe(module)
-            if probe.post != spec.expect or probe.pre != 0:
+            sites = kind.count(module)
+            if sites.post != spec.expect or sites.pre != 0:
                 state, message = State.DRIFTED, (f"{rel}: rewrite did not reach the post-state (found "
-                                                 f"{probe.found}); this is a toolkit bug, please report it")
+                                                 f"{sites.found}); this is a toolkit bug, please report it")
                 module = before
             else:
                 new_markers.append((spec.id, spec.digest()))

@@ -31,7 +31,7 @@ from toolkit.trial import reference_rootfs, untried_here
 from toolkit.variants import Variant
 from toolkit.variants import find as find_variant
 
-PROBE = Path(__file__).with_name("probe.py")
+STAGES = Path(__file__).with_name("stages.py")
 # read by the interpreter or the platform, not by code in the tree
 OUTSIDE_THE_TREE = ("PYTHON", "CUDA_", "NCCL_", "HF_", "TRANSFORMERS_", "OMP_")
 
@@ -261,7 +261,7 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
                    "variants": requests, "roots": [str(tree.vendor)], "trees": [str(p) for p in tree.paths],
                    "env": sorted(recipe.env)}
         # one process for every variant: importing vLLM once costs seconds
-        result = _probe(python, tree, request, loaded)
+        result = _run_stages(python, tree, request, loaded)
     by_name = {v["name"]: v for v in result["variants"]}
     for outcome in outcomes:
         data = by_name[outcome.variant]
@@ -308,13 +308,13 @@ def _no_model() -> ModelShape:
                        hint="add a `model:` section to the recipe, or pass --model-config DIR")
 
 
-def _probe(python: Path, tree: Tree, request: dict[str, Any], loaded: LoadedRecipe) -> dict[str, Any]:
+def _run_stages(python: Path, tree: Tree, request: dict[str, Any], loaded: LoadedRecipe) -> dict[str, Any]:
     recipe = loaded.recipe
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1",
            **standins.environment(cache_dir() / "runtime", recipe.base_image.gpu_libraries, tree.paths)}
-    proc = subprocess.run([str(python), str(PROBE)], input=json.dumps(request), capture_output=True, text=True,
+    proc = subprocess.run([str(python), str(STAGES)], input=json.dumps(request), capture_output=True, text=True,
                           env=env, timeout=600)
     if proc.returncode != 0:
         raise ToolkitError(f"the patched vLLM could not be run on the CPU runtime ({tree.where}):\n"
@@ -322,7 +322,7 @@ def _probe(python: Path, tree: Tree, request: dict[str, Any], loaded: LoadedReci
     try:
         data = json.loads(proc.stdout)
     except json.JSONDecodeError:
-        raise ToolkitError("the preflight probe printed no result: " + proc.stdout[-500:]) from None
+        raise ToolkitError("the preflight stages script printed no result: " + proc.stdout[-500:]) from None
     if not isinstance(data, dict):
         return {}
     failed = data.get("import_error")
@@ -442,13 +442,13 @@ def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
 
 
 def _key(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path) -> str:
-    """What a preflight result depends on: the recipe as resolved, the variants, the sources, the probe, the runtime."""
+    """What a preflight result depends on: the recipe as resolved, the variants, the sources, the stages script, the runtime."""
     recipe = loaded.recipe.model_dump(mode="json")
     recipe.pop("patches", None)
     patches = sorted((p.relative_to(loaded.patches_dir).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
                      for p in loaded.patches_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     sources = {name: str(tree) for name, tree in sorted(pinned.items())}
-    raw = json.dumps([recipe, patches, [v.name for v in variants], sources, PROBE.read_text(),
+    raw = json.dumps([recipe, patches, [v.name for v in variants], sources, STAGES.read_text(),
                       Path(standins.__file__).read_text(), str(python)], sort_keys=True)
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 

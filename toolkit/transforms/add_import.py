@@ -8,7 +8,7 @@ import libcst as cst
 from pydantic import Field, model_validator
 
 from toolkit.fields import DottedName, Identifier
-from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites
 
 
 class AddImport(ModuleEdit):
@@ -55,9 +55,9 @@ class AddImportKind:
                                  if isinstance(a.name, cst.Name) and a.asname is None)
         return set(self.spec.names) <= names if self.spec.names else have_module
 
-    def probe(self, module: cst.Module) -> Probe:
+    def count(self, module: cst.Module) -> Sites:
         done = self._imported(module)
-        return Probe(
+        return Sites(
             0 if done else 1, 1 if done else 0,
             f"`{self._statement_code()}` " + ("present" if done else "absent"),
             f"module without `{self._statement_code()}`",

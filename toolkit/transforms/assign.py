@@ -8,7 +8,7 @@ import libcst as cst
 from pydantic import Field, model_validator
 
 from toolkit.fields import Identifier, PyExpr
-from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_statements
 
 
@@ -77,7 +77,7 @@ class AssignKind:
     def _is_post(self, stmt: cst.Assign) -> bool:
         return self.spec.new is not None and same_expr(stmt.value, self.spec.new)
 
-    def probe(self, module: cst.Module) -> Probe:
+    def count(self, module: cst.Module) -> Sites:
         scope = scope_or_none(module, self.spec)
         if scope is None:
             return missing_scope(module, self.spec, self._expected())
@@ -89,7 +89,7 @@ class AssignKind:
         shown = shown or f"no assignment to {self.spec.target}"
         if others != self.spec.others:
             # a changed value is drift, never absence: only the declared number of other assignments may remain
-            return Probe(0, 0, f"{shown} ({others} other assignment(s) to {self.spec.target}, the recipe "
+            return Sites(0, 0, f"{shown} ({others} other assignment(s) to {self.spec.target}, the recipe "
                          f"declares others: {self.spec.others})", self._expected(),
                          field="old" if self.spec.old is not None else "others")  # a changed value, most often
         if self.spec.new is None and pre == 0:
@@ -97,13 +97,13 @@ class AssignKind:
             inside = {id(s) for _, s, _ in sites}
             moved = sum(1 for s in self._everywhere(module) if id(s) not in inside and self._is_pre(s))
             if moved:
-                return Probe(0, 0, f"{shown}; and `{self.spec.target} = {self.spec.old}` {moved} time(s) elsewhere "
+                return Sites(0, 0, f"{shown}; and `{self.spec.target} = {self.spec.old}` {moved} time(s) elsewhere "
                              f"in the module, outside {self.spec.scope or 'the module level'}", self._expected(),
                              field="scope")
             post = self.spec.expect
         elif self.spec.new is None:
             post = 0
-        return Probe(pre, post, shown, self._expected(), field="old" if self.spec.old is not None else "target")
+        return Sites(pre, post, shown, self._expected(), field="old" if self.spec.old is not None else "target")
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)

@@ -104,7 +104,7 @@ class Context:
 
 
 @dataclass(frozen=True)
-class Probe:
+class Sites:
     """What a kind found in one module: sites in the pre-state and in the post-state."""
 
     pre: int
@@ -121,7 +121,7 @@ class EditKind(Protocol):
     @property
     def spec(self) -> ModuleEdit: ...
 
-    def probe(self, module: cst.Module) -> Probe: ...
+    def count(self, module: cst.Module) -> Sites: ...
 
     def rewrite(self, module: cst.Module) -> cst.Module: ...
 
@@ -155,9 +155,9 @@ class Kind:
         return issubclass(self.model, ModuleEdit)
 
 
-def missing_scope(module: cst.Module, spec: ModuleEdit, expected: str) -> Probe:
+def missing_scope(module: cst.Module, spec: ModuleEdit, expected: str) -> Sites:
     near = tuple(nearest_names(module, spec.scope))
-    return Probe(0, 0, f"no scope {spec.scope!r} in {spec.file}", expected, near, field="scope")
+    return Sites(0, 0, f"no scope {spec.scope!r} in {spec.file}", expected, near, field="scope")
 
 
 def scope_or_none(module: cst.Module, spec: ModuleEdit) -> cst.CSTNode | None:
@@ -171,8 +171,8 @@ class Decision:
     field: str | None = None  # DRIFTED: the recipe field at fault, when one is
 
 
-def decide(spec: ModuleEdit, probe: Probe, marker: str | None) -> Decision:
-    """Turn a probe and the marker found in the file into one of the five states.
+def decide(spec: ModuleEdit, sites: Sites, marker: str | None) -> Decision:
+    """Turn the sites counted and the marker found in the file into one of the five states.
 
     WOULD_APPLY means "the pre-state is there as contracted": a plan rewrites it (APPLIED once written), a check
     reports it as not applied.
@@ -186,25 +186,25 @@ def decide(spec: ModuleEdit, probe: Probe, marker: str | None) -> Decision:
             "the file holds a stale patch: reinstall the pristine vendor file and apply again",
         )
     if marker is not None:
-        if probe.post == spec.expect:
+        if sites.post == spec.expect:
             return Decision(State.ALREADY_APPLIED, f"{where}: marker and post-state present")
         return Decision(
             State.DRIFTED,
-            f"{where}: marker present but post-state missing: expected {probe.expected} "
-            f"x{spec.expect}, found {probe.found}", probe.field,
+            f"{where}: marker present but post-state missing: expected {sites.expected} "
+            f"x{spec.expect}, found {sites.found}", sites.field,
         )
-    if probe.pre == spec.expect and probe.post == 0:
-        return Decision(State.WOULD_APPLY, f"{where}: found {probe.found}")
-    if probe.pre == 0 and probe.post == spec.expect:
+    if sites.pre == spec.expect and sites.post == 0:
+        return Decision(State.WOULD_APPLY, f"{where}: found {sites.found}")
+    if sites.pre == 0 and sites.post == spec.expect:
         return Decision(
             State.SUPERSEDED,
             f"{where}: the pristine file already has the post-state without our marker: "
             "this patch may be removable",
         )
-    near = f"; nearest names: {', '.join(probe.nearest)}" if probe.nearest else ""
+    near = f"; nearest names: {', '.join(sites.nearest)}" if sites.nearest else ""
     return Decision(
         State.DRIFTED,
-        f"{where}: expected {probe.expected} exactly {spec.expect} time(s), found {probe.found} "
-        f"(pre-state sites {probe.pre}, post-state sites {probe.post}){near}",
-        probe.field or ("expect" if probe.pre + probe.post else None),
+        f"{where}: expected {sites.expected} exactly {spec.expect} time(s), found {sites.found} "
+        f"(pre-state sites {sites.pre}, post-state sites {sites.post}){near}",
+        sites.field or ("expect" if sites.pre + sites.post else None),
     )

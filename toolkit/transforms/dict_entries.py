@@ -14,7 +14,7 @@ import libcst as cst
 from pydantic import Field
 
 from toolkit.fields import Identifier, PyExpr
-from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import code_of, replace_nodes, same_expr, walk_statements
 
 Container = cst.Dict | cst.List
@@ -115,13 +115,13 @@ class DictEntriesKind:
             notes.append(f"no key {self.spec.after!r} to insert after")
         return is_pre, is_post, "; ".join(notes)
 
-    def probe(self, module: cst.Module) -> Probe:
+    def count(self, module: cst.Module) -> Sites:
         scope = scope_or_none(module, self.spec)
         if scope is None:
             return missing_scope(module, self.spec, self._expected())
         dicts = self._dicts(scope)
         if not dicts:
-            return Probe(0, 0, f"no dict literal assigned to {self.spec.name!r}", self._expected(), field="name")
+            return Sites(0, 0, f"no dict literal assigned to {self.spec.name!r}", self._expected(), field="name")
         pre = post = 0
         notes = []
         for d in dicts:
@@ -132,8 +132,8 @@ class DictEntriesKind:
         found = f"{len(dicts)} dict(s) named {self.spec.name}: " + " | ".join(notes)
         if pre + post != len(dicts):
             # a dict holding some of our keys, or other values for them, is a changed vendor: drift
-            return Probe(0, 0, found, self._expected(), field=self._at_fault(dicts))
-        return Probe(pre, post, found, self._expected(), field=self._at_fault(dicts))
+            return Sites(0, 0, found, self._expected(), field=self._at_fault(dicts))
+        return Sites(pre, post, found, self._expected(), field=self._at_fault(dicts))
 
     def _insert(self, d: Container) -> Container:
         elements = list(d.elements)

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from toolkit.errors import ToolkitError
 from toolkit.fields import ENV_PATTERN, CallableRef, PyExpr
-from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import replace_nodes
 
 
@@ -111,16 +111,16 @@ class DispatchKind:
                             return True
         return False
 
-    def probe(self, module: cst.Module) -> Probe:
+    def count(self, module: cst.Module) -> Sites:
         fn = scope_or_none(module, self.spec)
         if fn is None:
             return missing_scope(module, self.spec, self._expected())
         if not isinstance(fn, cst.FunctionDef):
-            return Probe(0, 0, f"{self.spec.scope} is a {type(fn).__name__}, not a function", self._expected(),
+            return Sites(0, 0, f"{self.spec.scope} is a {type(fn).__name__}, not a function", self._expected(),
                          field="scope")
         body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else []
         post = sum(1 for stmt in body if self._is_ours(stmt))
-        return Probe(
+        return Sites(
             0 if post else 1, post,
             f"function {self.spec.scope}" + (" with the dispatch" if post else " without the dispatch"),
             self._expected(),

@@ -11,7 +11,7 @@ from pydantic import Field, field_validator
 
 from toolkit.errors import ToolkitError
 from toolkit.fields import DOTTED, banned, relative_path
-from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import canonical_block, qualnames, replace_nodes
 
 
@@ -79,22 +79,22 @@ class ReplaceBodyKind:
     def _expected(self) -> str:
         return f"function {self.spec.scope}{tuple(_params(self.source_fn))} with another body"
 
-    def probe(self, module: cst.Module) -> Probe:
+    def count(self, module: cst.Module) -> Sites:
         fn = scope_or_none(module, self.spec)
         if fn is None:
             return missing_scope(module, self.spec, self._expected())
         if not isinstance(fn, cst.FunctionDef) or not isinstance(fn.body, cst.IndentedBlock):
-            return Probe(0, 0, f"{self.spec.scope} is not a function with a block body", self._expected(),
+            return Sites(0, 0, f"{self.spec.scope} is not a function with a block body", self._expected(),
                          field="scope")
         if _params(fn) != _params(self.source_fn):
-            return Probe(0, 0, f"signature {tuple(_params(fn))}", self._expected(), field="source")
+            return Sites(0, 0, f"signature {tuple(_params(fn))}", self._expected(), field="source")
         if canonical_block(fn.body.body) == self.source_body:
-            return Probe(0, 1, "the replacement body", self._expected())
+            return Sites(0, 1, "the replacement body", self._expected())
         digest = body_digest(fn)
         if self.spec.old_digest and not digest.startswith(self.spec.old_digest):
-            return Probe(0, 0, f"a body with digest {digest} (recipe pins old_digest {self.spec.old_digest})",
+            return Sites(0, 0, f"a body with digest {digest} (recipe pins old_digest {self.spec.old_digest})",
                          self._expected(), field="old_digest")
-        return Probe(1, 0, f"a body with digest {digest}", self._expected())
+        return Sites(1, 0, f"a body with digest {digest}", self._expected())
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         fn = scope_or_none(module, self.spec)

@@ -8,7 +8,7 @@ import libcst as cst
 from pydantic import Field
 
 from toolkit.fields import DottedName, Identifier, PyExpr
-from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import code_of, dotted_name, replace_nodes, same_expr, walk_scope
 
 
@@ -45,7 +45,7 @@ class SetKwargKind:
             return same_expr(arg.value, self.spec.old)
         return not same_expr(arg.value, self.spec.new)
 
-    def probe(self, module: cst.Module) -> Probe:
+    def count(self, module: cst.Module) -> Sites:
         scope = scope_or_none(module, self.spec)
         if scope is None:
             return missing_scope(module, self.spec, self._expected())
@@ -57,8 +57,8 @@ class SetKwargKind:
         at = "call" if not calls else "arg" if not sites else "old" if self.spec.old is not None else "new"
         if pre + post != len(sites):
             # a site with a third value is a changed vendor, never "already done"
-            return Probe(0, 0, found, self._expected(), field=at)
-        return Probe(pre, post, found, self._expected(), field=at)
+            return Sites(0, 0, found, self._expected(), field=at)
+        return Sites(pre, post, found, self._expected(), field=at)
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)

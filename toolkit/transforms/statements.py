@@ -17,7 +17,7 @@ import libcst as cst
 from pydantic import Field, model_validator
 
 from toolkit.fields import PyBlock
-from toolkit.transforms.base import Context, Kind, ModuleEdit, Probe, missing_scope, scope_or_none
+from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import replace_nodes
 
 Suite = cst.Module | cst.IndentedBlock
@@ -130,7 +130,7 @@ class StatementsKind:
                     out.append((suite, end, tuple(canon[end:end + len(self.new)]) == self.new))
         return out
 
-    def probe(self, module: cst.Module) -> Probe:
+    def count(self, module: cst.Module) -> Sites:
         scope = scope_or_none(module, self.spec)
         if scope is None:
             return missing_scope(module, self.spec, self._expected())
@@ -139,7 +139,7 @@ class StatementsKind:
         post = sum(1 for *_, post in sites if post)
         found = f"{pre} site(s) in the pre-state, {post} in the post-state"
         at = "old" if self.spec.old is not None else "after" if self.spec.after is not None else "scope"
-        return Probe(pre, post, found, self._expected(), field=at)
+        return Sites(pre, post, found, self._expected(), field=at)
 
     def rewrite(self, module: cst.Module) -> cst.Module:
         scope = scope_or_none(module, self.spec)

@@ -1,7 +1,7 @@
 """Runs inside the CPU runtime's Python, with a patched vendor tree first on sys.path: the vendor's own argument
 parser, engine arguments and config construction for each variant, with the target hardware emulated.
 
-Standard library only at the top: it is executed as a script (`python probe.py < request.json`), never imported
+Standard library only at the top: it is executed as a script (`python stages.py < request.json`), never imported
 by the toolkit. The shims are applied here, from outside the tree, before anything imports vllm:
 - a stand-in `pynvml` reports the recipe's device count, memory and compute capability, so vLLM takes the CUDA
   platform, as on the image, and its config code sees the accelerators it will see there (nothing touches a GPU;
