@@ -7,11 +7,14 @@ per switch, the largest difference between the two and whether the native path i
 import json
 import os
 import sys
+import tempfile
 
 import runtime_shims
 import torch
 
-os.environ.update(NATIVE_PROFILE="1", MOE_SMALL_BATCH_VARIANT="segments")  # fixed path names to look for
+# fixed path names to look for; the profile written at exit goes to a folder of its own
+os.environ.update(TOOLKIT_PROFILE="1", MOE_SMALL_BATCH_VARIANT="segments",
+                  TOOLKIT_PROFILE_DIR=tempfile.mkdtemp(prefix="runtime-adapter-profile-"))
 
 
 def compare(name, call, profile_name, results):
@@ -21,10 +24,10 @@ def compare(name, call, profile_name, results):
     ran = {}
     for switch in ("0", "1"):
         os.environ[name] = switch
-        profiling._totals.clear()
+        profiling.reset()
         with torch.no_grad():
             outputs[switch] = call()
-        ran[switch] = profile_name in profiling._totals
+        ran[switch] = profile_name in profiling.native_paths()
     diffs = [float((a.double() - b.double()).abs().max()) for a, b in zip(outputs["0"], outputs["1"], strict=True)]
     results[name] = {"max_abs_diff": max(diffs), "native_ran_when_on": ran["1"], "native_ran_when_off": ran["0"],
                      "smallest_output": min(float(o.double().abs().max()) for o in outputs["0"])}
@@ -56,7 +59,8 @@ def main():
     norm = qwen3_5.Qwen3_5RMSNormGated(12)
     default_weight_loader(norm.weight, torch.rand(12, generator=g) + 0.5)
     rows = torch.randn(40, 12, generator=g)
-    compare("RMSNORM_NATIVE", lambda: (norm(rows, rows * 2), norm(rows[:4], rows[:4] - 1)), "norm.gated", results)
+    compare("RMSNORM_NATIVE", lambda: (norm(rows, rows * 2), norm(rows[:4], rows[:4] - 1)), "norm.gated",
+            results)
 
     q, k = torch.randn(1, 71, 2, 8, generator=g), torch.randn(1, 71, 2, 8, generator=g)
     v = torch.randn(1, 71, 4, 12, generator=g)

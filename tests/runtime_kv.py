@@ -88,6 +88,7 @@ def main():
     from vllm.worker import cache_engine
 
     runtime_shims.on_cpu()
+    runtime_shims.distributed()  # the MoE block all-reduces its partial sums, as in a worker
     real, small = checkpoint(REAL), checkpoint(SMALL)
     results = {}
     runs = {}
@@ -109,8 +110,8 @@ def main():
         if mode == "full_attention":
             # the mutant indexes the KV caches by layer number, as a model written for 40 caches would
             for number, layer in enumerate(model.layers):
-                if hasattr(layer, "attn_idx"):
-                    layer.attn_idx = number
+                if hasattr(layer, "self_attn"):
+                    layer.self_attn.attn_idx = number
             try:
                 generate(model, engine.gpu_cache)
                 entry["mutant"] = "ran"

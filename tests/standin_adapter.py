@@ -83,6 +83,15 @@ class Qwen3_5MoeSparseBlock(torch.nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.experts = _Experts(num_experts, hidden, inter)
+        self.gate = torch.nn.Linear(hidden, num_experts, bias=False)
+
+    def forward(self, hidden_states):
+        # as the adapter: the router, the routed experts (partial sums), then the TP all-reduce
+        router_logits = self.gate(hidden_states)
+        out = self._pure_pytorch_experts(hidden_states, router_logits)
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(out)  # vLLM's returns its input on one rank
 
     def _pure_pytorch_experts(self, hidden_states, router_logits):
         probs = torch.softmax(router_logits.float(), dim=-1)
@@ -162,6 +171,7 @@ class GatedDeltaNet(torch.nn.Module):
         self.out_proj = torch.nn.Linear(hidden, hidden, bias=False)
         self.conv_weight = torch.nn.Parameter(torch.randn(kernel, hidden) / kernel)
         self.decay = torch.nn.Parameter(torch.rand(hidden) * 0.04 + 0.95)
+        self.norm = Qwen3_5RMSNormGated(hidden)
 
     def forward(self, hidden_states, attn_metadata, conv_state, temporal_state):
         u, out = self.in_proj(hidden_states), []
@@ -171,7 +181,37 @@ class GatedDeltaNet(torch.nn.Module):
                 conv_state[seq] = window[1:]
                 temporal_state[seq] = self.decay * temporal_state[seq] + (window * self.conv_weight).sum(0)
                 out.append(temporal_state[seq].clone())
-        return self.out_proj(torch.stack(out))
+        # the gated norm on the recurrence's output, as the adapter calls it (self.norm(core_out, z))
+        return self.out_proj(self.norm(torch.stack(out), hidden_states))
+
+
+class Qwen3_5DecoderLayer(torch.nn.Module):
+    """One layer: full attention or GatedDeltaNet, then the MoE block when the text config is the MoE one (the
+    adapter picks it by text_config.model_type == 'qwen3_5_moe_text'), each as a pre-norm residual."""
+
+    def __init__(self, text, layer_type, attn_idx, linear_idx):
+        super().__init__()
+        self.layer_type = layer_type
+        hidden = text.hidden_size
+        if layer_type == "full_attention":
+            self.self_attn = _FullAttention(hidden, text.num_attention_heads, text.num_key_value_heads,
+                                            text.head_dim, attn_idx)
+        else:
+            self.linear_attn = GatedDeltaNet(hidden)
+            self.linear_idx = linear_idx
+        moe = getattr(text, "model_type", "") == "qwen3_5_moe_text"
+        self.mlp = Qwen3_5MoeSparseBlock(hidden=hidden) if moe else None
+
+    def forward(self, hidden_states, kv_caches, attn_metadata, block_size, conv_state, temporal_state):
+        h = hidden_states
+        if self.layer_type == "full_attention":
+            h = h + self.self_attn(_rms(h), kv_caches[self.self_attn.attn_idx], attn_metadata, block_size)
+        else:
+            h = h + self.linear_attn(_rms(h), attn_metadata, conv_state[self.linear_idx],
+                                     temporal_state[self.linear_idx])
+        if self.mlp is not None:
+            h = h + self.mlp(_rms(h))
+        return h
 
 
 class Qwen3_5ForCausalLM(torch.nn.Module):
@@ -199,15 +239,9 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList()
         attn_idx = linear_idx = 0
         for layer_type in text.layer_types:
-            if layer_type == "full_attention":
-                self.layers.append(_FullAttention(hidden, text.num_attention_heads, text.num_key_value_heads,
-                                                  text.head_dim, attn_idx))
-                attn_idx += 1
-            else:
-                layer = GatedDeltaNet(hidden)
-                layer.linear_idx = linear_idx
-                self.layers.append(layer)
-                linear_idx += 1
+            self.layers.append(Qwen3_5DecoderLayer(text, layer_type, attn_idx, linear_idx))
+            attn_idx += layer_type == "full_attention"
+            linear_idx += layer_type != "full_attention"
         self.num_linear_layers = linear_idx
         self.lm_head = torch.nn.Linear(hidden, text.vocab_size, bias=False)
         self.mamba_cache = None
@@ -252,10 +286,7 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
         self._restore_gdn_prefix_state(attn_metadata, conv_state, temporal_state)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
-            if isinstance(layer, _FullAttention):
-                h = h + layer(_rms(h), kv_caches[layer.attn_idx], attn_metadata, self.block_size)
-            else:
-                h = h + layer(_rms(h), attn_metadata, conv_state[layer.linear_idx], temporal_state[layer.linear_idx])
+            h = layer(h, kv_caches, attn_metadata, self.block_size, conv_state, temporal_state)
         self._save_gdn_prefix_state(attn_metadata, conv_state, temporal_state)
         return _rms(h)
 

@@ -26,10 +26,12 @@ from toolkit.submission.render import render
 
 torch = pytest.importorskip("torch", reason="the dispatch tests import the patched adapter: pip install torch==2.13.0")
 
-SWITCHES = {"MOE_NATIVE": "moe.segments", "CHUNK_PARALLEL": "gdn.chunk", "RMSNORM_NATIVE": "norm.gated"}
+SWITCHES = {"MOE_NATIVE": "moe.segments", "CHUNK_PARALLEL": "gdn.chunk",
+            "RMSNORM_NATIVE": "norm.gated"}
 
 
 def test_dispatches_switch_between_native_and_original(cli, corex_rootfs: Path, flagship_args: list[str],
+                                                       tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
     root = roots_of(corex_rootfs)[1]
@@ -37,7 +39,8 @@ def test_dispatches_switch_between_native_and_original(cli, corex_rootfs: Path, 
     monkeypatch.syspath_prepend(str(root / "vllm/model_executor/models"))
     for name in [m for m in sys.modules if m.split(".")[0] in ("qwen3_5", "native_fastpaths")]:
         monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setenv("NATIVE_PROFILE", "1")
+    monkeypatch.setenv("TOOLKIT_PROFILE", "1")
+    monkeypatch.setenv("TOOLKIT_PROFILE_DIR", str(tmp_path / "profile"))
     monkeypatch.setenv("MOE_SMALL_BATCH_VARIANT", "segments")  # a fixed path, so its profile name is known
     adapter_mod = importlib.import_module("qwen3_5")
     profiling = importlib.import_module("native_fastpaths.profiling")
@@ -56,15 +59,15 @@ def test_dispatches_switch_between_native_and_original(cli, corex_rootfs: Path, 
         "RMSNORM_NATIVE": lambda: norm(v, v * 2),
     }
     for switch, call in calls.items():
-        profiling._totals.clear()
+        profiling.reset()
         monkeypatch.setenv(switch, "0")
         original = call()
-        off_paths = set(profiling._totals)
+        off_paths = profiling.native_paths()
         monkeypatch.setenv(switch, "1")
         native = call()
         torch.testing.assert_close(native, original, atol=2e-4, rtol=2e-4)
         # with the switch on the injected path runs, with it off it does not
-        assert SWITCHES[switch] in profiling._totals and SWITCHES[switch] not in off_paths, switch
+        assert SWITCHES[switch] in profiling.native_paths() and SWITCHES[switch] not in off_paths, switch
     # the adapter never calls its recurrent rule (decode is inlined): the flagship claims no dispatch there
     assert "LOOP1_NATIVE" not in (root / "vllm/model_executor/models/qwen3_5.py").read_text()
     for name in [m for m in sys.modules if m.split(".")[0] in ("qwen3_5", "native_fastpaths")]:

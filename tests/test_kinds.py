@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,13 @@ BASE: dict[str, Any] = {
 PROVENANCE = {"why": "test", "remove_when": "never"}
 
 
+RUNTIME_DEPLOY = {"id": "deploy-profile-runtime", "kind": "deploy", "source": "native_fastpaths",
+                  "dest": "native_fastpaths"}  # what a probed module imports (lint refuses a probe without it)
+
+
 def write_recipe(folder: Path, transforms: list[dict[str, Any]], patches: Path | None = None) -> Path:
+    if any(t["kind"] == "probe" for t in transforms):
+        transforms = [*transforms, RUNTIME_DEPLOY]
     data = dict(BASE, transforms=[{**PROVENANCE, **t} for t in transforms])
     data["patches"] = str(patches or REPO / "patches" / "src")
     path = folder / "recipe.yaml"
@@ -125,6 +132,39 @@ CASES = [
         ("old_digest",),
         field="old_digest",
     ),
+    Case(
+        "probe-function",
+        {"id": "probe-step", "kind": "probe", "file": "vllm/worker/model_runner.py",
+         "scope": "ModelRunner.execute_model", "region": "step",
+         "bucket": {"tokens": "model_input.attn_metadata.num_prefill_tokens", "edges": {"decode": 0, "prefill": None}}},
+        _sub(r"def execute_model\(\n        self,\n        model_input: ModelInputForGPUWithSamplingMetadata",
+             "def execute_model(\n        self,\n        inputs: ModelInputForGPUWithSamplingMetadata"),
+        lambda t: "@_toolkit_profile.probe('step', tokens='model_input.attn_metadata.num_prefill_tokens', "
+        "buckets=(('decode', 0), ('prefill', None),))\n    def execute_model(" in t
+        and t.startswith("import native_fastpaths.profiling as _toolkit_profile\n"),  # the file has no docstring
+        ("must be a parameter of ModelRunner.execute_model", "parameters: self, inputs"),
+        field="bucket",
+    ),
+    Case(
+        "probe-statements",
+        {"id": "probe-begin-forward", "kind": "probe", "file": "vllm/worker/model_runner.py",
+         "scope": "ModelRunner.execute_model", "region": "step.begin_forward",
+         "statements": "self.attn_state.begin_forward(model_input)"},
+        _sub(r"self\.attn_state\.begin_forward\(model_input\)", "self.attn_state.begin_forward(model_input, 1)"),
+        lambda t: "        with _toolkit_profile.region('step.begin_forward') if _toolkit_profile.ON else "
+        "_toolkit_profile.OFF:\n            self.attn_state.begin_forward(model_input)\n" in t,
+        ("0 untimed site(s), 0 timed",),
+        field="statements",
+    ),
+    Case(
+        "probe-calls",
+        {"id": "probe-sample", "kind": "probe", "file": "vllm/worker/model_runner.py",
+         "scope": "ModelRunner.execute_model", "region": "step.sample", "calls": "self.model.sample"},
+        _sub(r"self\.model\.sample\(", "self.model.sampler("),
+        lambda t: "_toolkit_profile.timed('step.sample', self.model.sample)(" in t and "= self.model.sample(" not in t,
+        ("calls of self.model.sample",),
+        field="calls",
+    ),
 ]
 # the registry case registers an architecture of qwen2_moe.py: verify resolves it to the class in that file
 FILES = sorted({c.spec["file"] for c in CASES} | {"vllm/model_executor/models/qwen2_moe.py"})
@@ -135,6 +175,10 @@ def kind_patches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     patches = tmp_path_factory.mktemp("patches")
     (patches / "kinds_fixture.py").write_text(
         "def extra_repr(self) -> str:\n    return f\"toolkit eps={self.variance_epsilon}\"\n")
+    # the profile runtime alone (no switches.json: the dispatch case's default is the recipe's)
+    (patches / "native_fastpaths").mkdir()
+    for name in ("__init__.py", "profiling.py"):
+        shutil.copy(REPO / "patches" / "src" / "native_fastpaths" / name, patches / "native_fastpaths" / name)
     return patches
 
 
@@ -157,7 +201,7 @@ def test_apply_is_idempotent(cli, case: Case, tree: Path, tmp_path: Path, kind_p
     recipe = write_recipe(tmp_path, [_spec(case)], kind_patches)
     code, report, _ = _run(cli, recipe, tree)
     assert code == 0, report
-    assert [r["state"] for r in report["results"]] == ["APPLIED", "APPLIED"]
+    assert [r["state"] for r in report["results"] if r["transform"] == case.spec["id"]] == ["APPLIED", "APPLIED"]
     for root in roots_of(tree):
         text = (root / case.spec["file"]).read_text()
         assert case.after(text), text[-3000:]
@@ -166,7 +210,8 @@ def test_apply_is_idempotent(cli, case: Case, tree: Path, tmp_path: Path, kind_p
     snapshot = tree_digest(tree)
     code, report, _ = _run(cli, recipe, tree)
     assert code == 0
-    assert [r["state"] for r in report["results"]] == ["ALREADY_APPLIED", "ALREADY_APPLIED"]
+    assert [r["state"] for r in report["results"] if r["transform"] == case.spec["id"]] == ["ALREADY_APPLIED",
+                                                                                            "ALREADY_APPLIED"]
     assert tree_digest(tree) == snapshot
     code, report, _ = _run(cli, recipe, tree, "verify")
     assert code == 0 and report["ok"], report

@@ -94,7 +94,22 @@ CASES: list[tuple[str, Severity, Callable[[dict[str, Any]], None], Callable[[dic
      lambda d: d["sources"][0].__setitem__("fetch", "host")),
     ("prefix-state", Severity.ERROR, lambda d: d["model"].pop("prefix_state"),
      both(lambda d: d["model"].pop("prefix_state"), set_args(enable_prefix_caching=None))),
+    # prefix-state's hook anchored on the very call probe-begin-forward times
+    ("probe", Severity.ERROR, lambda d: transform(d, "prefix-state-begin-step").__setitem__(
+        "after", "self.attn_state.begin_forward(model_input)"), lambda d: None),
 ]
+
+
+def transform(data: dict[str, Any], tid: str) -> dict[str, Any]:
+    return next(t for t in data["transforms"] if t["id"] == tid)
+
+
+def test_probe_runtime_must_be_deployed(tmp_path: Path) -> None:
+    found = issues_of(write(tmp_path, lambda d: transform(d, "probe-sample").__setitem__("runtime", "elsewhere.prof")),
+                      "probe")
+    assert [i.message.split(":")[0] for i in found] == [
+        "transform probe-sample imports elsewhere.prof, which no deploy of this recipe installs"], found
+    assert found[0].line is not None and "dest: elsewhere" in found[0].fix
 # rules that need a vendor tree to compare with (lint --rootfs): their cases are in the test named beside them
 ROOTFS_RULES = {
     "vendor-base": "test_corexlike.py::test_vendor_compare_names_063_and_exactly_the_files_the_fixture_changed"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -178,13 +177,18 @@ def test_a_far_slower_candidate_is_not_measured_again(fresh_auto: list[dict[str,
     assert "gemm" in fresh_auto[1]["skipped"] and "gemm" not in fresh_auto[1]["ms"]  # type: ignore[operator]
 
 
-def test_auto_choice_is_in_the_profile(fresh_auto: list[dict[str, object]], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NATIVE_PROFILE", "1")
+def test_auto_choice_is_in_the_profile(fresh_auto: list[dict[str, object]], monkeypatch: pytest.MonkeyPatch,
+                                       tmp_path: Path) -> None:
+    monkeypatch.setattr(profiling, "ON", True)
+    monkeypatch.setattr(profiling, "DIR", str(tmp_path))
     monkeypatch.setattr(profiling, "_notes", [])
+    monkeypatch.setattr(profiling, "_stats", {})
     hidden, w13, w2, logits = moe_inputs(2, seed=5)
-    moe.experts(hidden, w13, w2, logits, 3)
+    moe.experts(hidden, w13, w2, logits, 3)  # measures the candidates, notes the choice
+    moe.experts(hidden, w13, w2, logits, 3)  # runs the chosen path, in its region
     assert any("MoE small batch" in n for n in profiling._notes)
-    assert "MoE small batch" in profiling.report(stream=open(os.devnull, "w"))  # noqa: SIM115
+    written = Path(profiling.write_summary(final=True) or "").read_text()
+    assert "MoE small batch" in written and '"region": "native.moe.' in written
 
 
 def test_shared_expert() -> None:

@@ -14,6 +14,7 @@ from toolkit.commands import bench as bench_cmd
 from toolkit.commands import build as build_cmd
 from toolkit.commands import lint as lint_cmd
 from toolkit.commands import preflight as preflight_cmd
+from toolkit.commands import profile as profile_cmd
 from toolkit.commands import tree as tree_cmd
 from toolkit.commands import vendor as vendor_cmd
 from toolkit.commands.common import Inputs
@@ -171,6 +172,15 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         all_variants=args.all_variants, python=args.python, image=args.image, mounts=tuple(args.mount or ()),
         devices=tuple(args.device or ()), gpus=args.gpus, model=args.model, port=args.port,
         start_timeout_s=args.start_timeout, gpu_sampler=args.gpu_sampler)), args)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    if args.paths[0] == "compare":
+        if len(args.paths) != 3:
+            raise ToolkitError("usage: toolkit profile compare A B (two TOOLKIT_PROFILE_DIR folders or files)")
+        return _show(profile_cmd.compare(Path(args.paths[1]), Path(args.paths[2])), args)
+    return _show(profile_cmd.profile(profile_cmd.ProfileRequest(tuple(Path(p) for p in args.paths),
+                                                                _path(args.plot))), args)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -361,6 +371,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nvidia-smi or a compatible binary (ixsmi); sampling is off, and said so, when it is absent")
     bench_args(p)
     p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser(
+        "profile", help="where the time goes: the TOOLKIT_PROFILE records of every process, one table per bucket "
+        "(`profile compare A B` sets two side by side)", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Merge the JSON lines that a server run with TOOLKIT_PROFILE=1 wrote (one file per process, "
+        "under TOOLKIT_PROFILE_DIR) into one table per bucket (decode, prefill): each probed region indented under "
+        "its dotted parent, its calls, total ms, ms per call, share of its parent and of the step, and the spread "
+        "of its total across TP ranks.",
+        epilog="examples:\n"
+        "  TOOLKIT_PROFILE=1 TOOLKIT_PROFILE_SYNC=1 TOOLKIT_PROFILE_DIR=/tmp/prof python3 -m vllm.entrypoints...\n"
+        "  toolkit profile /tmp/prof\n"
+        "  toolkit profile /tmp/prof --json | jq '.buckets.decode[] | {region, mean_ms}'\n"
+        "  toolkit profile compare /tmp/prof-before /tmp/prof-after\n"
+        "  toolkit profile /tmp/prof --plot profile.png            # needs the plot extra")
+    p.add_argument("paths", nargs="+", metavar="DIR|FILE | compare A B",
+                   help="TOOLKIT_PROFILE_DIR folders or profile-<pid>.jsonl files")
+    p.add_argument("--plot", metavar="PNG", help="also draw the totals per bucket (matplotlib: the plot extra)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema (for editors)")
     p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")

@@ -388,3 +388,35 @@ def workdir(ctx: LintContext) -> Iterator[Issue]:
     if any(isinstance(t, ModuleEdit) for t in ctx.recipe.transforms) and wd in ("/", ""):
         yield Issue("workdir-shadow", W, "serve.workdir is /: a stray vllm/ at the image root would shadow "
                     "the patched package", "use a dedicated empty folder such as /workspace", line)
+
+
+@rule("probe", E, "a probe whose runtime is not deployed, or that moves another transform's anchor")
+def probe(ctx: LintContext) -> Iterator[Issue]:
+    from toolkit.transforms.probe import Probe
+
+    deployed = {str(getattr(t, "dest", "")).strip("/").split("/")[0] for t in ctx.recipe.transforms
+                if t.kind == "deploy"}
+    for index, t in enumerate(ctx.recipe.transforms):
+        if not isinstance(t, Probe):
+            continue
+        top = t.runtime.split(".")[0]
+        if top not in deployed:
+            yield Issue("probe", E, f"transform {t.id} imports {t.runtime}, which no deploy of this recipe installs: "
+                        "the probed module would fail to import on the image",
+                        f"deploy patches/src/{top} (kind: deploy, source: {top}, dest: {top})",
+                        ctx.loaded.line_of("transforms", index, "runtime") or ctx.loaded.transform_line(index))
+        timed = t.statements if t.statements is not None else f"{t.calls}(" if t.calls is not None else None
+        if timed is None:
+            continue
+        probe_text = " ".join(timed.split())
+        for other in ctx.recipe.transforms:
+            if other is t or isinstance(other, Probe) or not isinstance(other, ModuleEdit):
+                continue
+            if (other.file, other.scope) != (t.file, t.scope) or other.package != t.package:
+                continue
+            anchors = [getattr(other, name, None) for name in ("after", "old", "call")]
+            if any(a and probe_text in " ".join(str(a).split()) for a in anchors):
+                yield Issue("probe", E, f"transform {t.id} times `{probe_text.rstrip('(')}`, which transform "
+                            f"{other.id} anchors on in {t.scope}: once timed, that anchor is gone and "
+                            f"{other.id} drifts", f"probe another statement or call, or move {other.id}'s anchor",
+                            ctx.loaded.transform_line(index))

@@ -442,7 +442,8 @@ def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
 
 
 def _key(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path) -> str:
-    """What a preflight result depends on: the recipe as resolved, the variants, the sources, the stages script, the runtime."""
+    """What a preflight result depends on: the recipe as resolved, the variants, the sources, the stages script,
+    the runtime."""
     recipe = loaded.recipe.model_dump(mode="json")
     recipe.pop("patches", None)
     patches = sorted((p.relative_to(loaded.patches_dir).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())

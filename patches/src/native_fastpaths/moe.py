@@ -116,7 +116,7 @@ LOSER_FACTOR = 3.0  # a candidate this much slower than the best is not measured
 
 _chosen: dict[tuple[str, str, int], str] = {}
 _losers: set[tuple[str, str, str]] = set()  # (device, dtype, candidate) far behind in a smaller bucket
-measurements: list[dict[str, object]] = []  # one record per measured bucket (tests and NATIVE_PROFILE read it)
+measurements: list[dict[str, object]] = []  # one record per measured bucket (tests and TOOLKIT_PROFILE notes read it)
 
 
 def chosen(device: torch.device, dtype: torch.dtype, tokens: int) -> str | None:
