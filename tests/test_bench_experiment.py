@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fake_tools
 import pytest
 from conftest import REPO
 
@@ -49,6 +50,33 @@ def test_experiment_measures_each_variant_and_leaves_nothing(cli: Any, cpu_env: 
             assert run["client_cores"] and len(run["client_cores"]) < len(os.sched_getaffinity(0)), run
     assert (out / "experiment.png").is_file()
     assert stray_processes() == [], "no server or worker process outlives the experiment"
+
+
+def test_experiment_monitors_each_variant_and_checks_the_devices_first(cli: Any, cpu_env: tuple[Path, Path],
+                                                                      tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a (fake) nvidia-smi listing two cards, the CPU server's Python runs no kernel on them: the start is
+    refused, the devices named; without the check each variant is measured with the devices sampled, and --profile
+    adds a profiled run beside the scores (this server's code carries no probe: the note says so)."""
+    python, model = cpu_env
+    monkeypatch.setenv("PATH", fake_tools.path_with(fake_tools.install(tmp_path / "bin", "nvidia-smi",
+                                                                       fake_tools.NVIDIA_IDLE)))
+    refused = cli("experiment", RECIPE, "--python", python, "--model", model, "-o", tmp_path / "sick")
+    assert refused.code == 2, refused.err
+    assert "refusing to start variant base: nvidia-smi lists device(s) 0, 1 that the serving Python does not see" \
+        in refused.err and "--no-device-check" in refused.err
+    out = tmp_path / "exp"
+    result = cli("experiment", RECIPE, "--python", python, "--model", model, "--requests", "3", "--max-tokens", "16",
+                 "--ignore-eos", "--no-device-check", "--profile", "2", "-o", out, "--json")
+    assert result.code == 0, result.err + result.out
+    base = result.json()["variants"][0]
+    assert base["runs"][0]["monitor"]["devices"]["0"]["memory_used_mib_max"] == 100.0
+    assert (out / "base" / "bench" / "c1" / "monitor.csv").is_file()
+    assert base["health"] == "device health not checked: --no-device-check"
+    assert "the server's code carries no probe" in base["profile"]["note"]
+    assert (out / "base" / "profile" / "bench" / "c1" / "summary.json").is_file()  # kept apart from the scores
+    assert [run["run_folder"] for run in base["runs"]] == [str(out / "base" / "bench" / "c1")]
+    assert stray_processes() == []
 
 
 def test_experiment_refuses_to_start_beside_a_leftover(cli: Any, cpu_env: tuple[Path, Path],

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fake_tools
 import pytest
 from conftest import REPO
 
@@ -126,3 +127,28 @@ def test_a_run_folder_is_never_overwritten(cli: Any, server: Server, tmp_path: P
     result = cli("bench", server.url, "-o", out, "--requests", "1")
     assert result.code == 2 and "not empty" in result.err
     assert (out / "keep.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_bench_monitors_the_devices_through_the_vendor_tool(cli: Any, server: Server, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real run with a (fake) nvidia-smi on PATH: per device numbers in summary.json, the samples beside it, the
+    timeline in the plot; a hanging ixsmi leaves the run measured and says so."""
+    monkeypatch.setenv("PATH", fake_tools.path_with(fake_tools.install(tmp_path / "bin", "nvidia-smi",
+                                                                       fake_tools.NVIDIA)))
+    report = bench(cli, server, tmp_path / "run", "--workload", "short", "--requests", "6", "--max-tokens", "48",
+                   "--ignore-eos", "--monitor", "nvidia-smi")
+    summary = json.loads((tmp_path / "run" / "c1" / "summary.json").read_text())
+    devices = summary["monitor"]["devices"]
+    assert set(devices) == {"0", "1"} and devices["0"]["utilization_pct_mean"] == 28.0, summary["monitor"]
+    assert devices["0"]["power_w_max"] == 49.7 and devices["1"]["power_w_max"] is None
+    assert (tmp_path / "run" / "c1" / "monitor.csv").read_text().count("\n") > 2
+    assert (tmp_path / "run" / "c1" / "plot.png").stat().st_size > 10_000
+    assert any("device 0 (nvidia-smi): utilisation mean 28.0%" in n for n in report["notes"]), report["notes"]
+
+    hanging = fake_tools.install(tmp_path / "hang", "ixsmi", fake_tools.HANGING)
+    monkeypatch.setenv("PATH", fake_tools.path_with(hanging))
+    report = bench(cli, server, tmp_path / "run2", "--requests", "2", "--max-tokens", "8", "--monitor", "ixsmi")
+    assert report["runs"][0]["success_rate"] == 1.0
+    assert report["runs"][0]["monitor"] == {"tool": "ixsmi", "sampled": False,
+                                            "note": "devices not sampled: ixsmi did not answer within 5 s"}
+    assert "devices not sampled: ixsmi did not answer within 5 s" in report["notes"]

@@ -7,11 +7,13 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import fake_tools
 import httpx
 import pytest
 
@@ -246,42 +248,119 @@ def test_workload_files_are_checked_with_line_numbers(tmp_path: Path) -> None:
         workloads.replay(tmp_path / "x.jsonl")
 
 
-# -- the GPU sampler, with a fake nvidia-smi -------------------------------------------------------------------
+# -- the hardware monitor, with fake vendor tools (tests/fake_tools.py) ------------------------------------------
 
-FAKE_SMI = """#!/bin/sh
-# prints two cards per sample, like nvidia-smi --query-gpu ... --format=csv,noheader,nounits [-lms N]
-sample() { echo "2026/11/30 10:00:0$1.000, 0, 50, 30000, 32768"; echo "2026/11/30 10:00:0$1.000, 1, 70, 2000, 32768"; }
-case "$*" in
-  *-lms*) i=0; while [ $i -lt 9 ]; do sample $i; i=$((i+1)); sleep 0.1; done; sleep 30 ;;
-  *) sample 0 ;;
-esac
-"""
+def test_monitor_samples_nvidia_smi_per_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit.bench.monitor import Monitor
+    from toolkit.bench.serve import leftovers
 
-
-def test_gpu_sampler_with_a_fake_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from toolkit.bench.serve import GpuSampler, leftovers
-
-    smi = tmp_path / "bin" / "fake-smi"
-    smi.parent.mkdir()
-    smi.write_text(FAKE_SMI)
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
-    sampler = GpuSampler("fake-smi")
-    assert sampler.available and sampler.memory_used_mb() == 32000
-    sampler.start(tmp_path / "gpu.csv")
-    time.sleep(1.2)
-    points = sampler.stop()
-    assert len(points) >= 3 and all(u == 60.0 for _, u in points)  # two cards averaged per sample
-    assert any("32000 MB of GPU memory held" in p for p in leftovers(1, sampler))  # port 1: never ours
-    assert not GpuSampler("no-such-smi-binary").available
+    monkeypatch.setenv("PATH", fake_tools.path_with(fake_tools.install(tmp_path / "bin", "nvidia-smi",
+                                                                       fake_tools.NVIDIA)))
+    monitor = Monitor.resolve("auto", interval_s=0.2)
+    assert (monitor.tool, monitor.power_field, monitor.note) == ("nvidia-smi", "power.draw", None)
+    monitor.start()
+    time.sleep(0.9)
+    samples = monitor.stop()
+    assert len({s.t_s for s in samples}) >= 3 and {s.device for s in samples} == {0, 1}
+    summary = monitor.summary()
+    assert summary["devices"]["0"] == {"samples": summary["devices"]["0"]["samples"], "utilization_pct_mean": 28.0,
+                                       "utilization_pct_max": 28.0, "memory_used_mib_mean": 30000.0,
+                                       "memory_used_mib_max": 30000.0, "power_w_mean": 49.7, "power_w_max": 49.7,
+                                       "memory_total_mib": 32768.0}
+    assert summary["devices"]["1"]["power_w_mean"] is None  # [N/A]: not a zero
+    written = monitor.write_samples(tmp_path)
+    assert written is not None and written.read_text().splitlines()[0] == \
+        "t_s,device,utilization_pct,memory_used_mib,memory_total_mib,power_w"
+    assert any("32000 MiB of device memory held" in p for p in leftovers(1, monitor))  # port 1: never ours
 
 
-def test_gpu_sampling_is_off_without_a_binary(tmp_path: Path) -> None:
-    from toolkit.bench.serve import GpuSampler
+def test_monitor_finds_ixsmi_4s_power_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit.bench.monitor import Monitor
 
-    sampler = GpuSampler("no-such-smi-binary")
-    sampler.start(tmp_path / "gpu.csv")
-    assert sampler.stop() == [] and not (tmp_path / "gpu.csv").exists()
+    folder = fake_tools.install(tmp_path / "bin", "ixsmi", fake_tools.IXSMI_4)
+    fake_tools.install(folder, "nvidia-smi", fake_tools.GARBAGE)  # auto prefers ixsmi
+    monkeypatch.setenv("PATH", fake_tools.path_with(folder))
+    monitor = Monitor.resolve("auto", interval_s=0.2)
+    assert (monitor.tool, monitor.power_field) == ("ixsmi", "gpu.power.draw")
+    monitor.start()
+    time.sleep(0.5)
+    monitor.stop()
+    assert monitor.summary()["devices"]["0"]["power_w_max"] == 50.1
+
+
+@pytest.mark.parametrize(("script", "words"), [
+    (fake_tools.HANGING, "did not answer within 5 s"),
+    (fake_tools.GARBAGE, "printed something else than the CSV asked for"),
+])
+def test_a_hanging_or_garbled_tool_is_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str,
+                                             words: str) -> None:
+    from toolkit.bench.monitor import Monitor, health
+
+    monkeypatch.setenv("PATH", fake_tools.path_with(fake_tools.install(tmp_path / "bin", "ixsmi", script)))
+    started = time.monotonic()
+    monitor = Monitor.resolve("ixsmi")
+    assert time.monotonic() - started < 12  # a hanging tool is asked once, with a time limit
+    assert not monitor.available and words in str(monitor.note), monitor.note
+    monitor.start()
+    assert monitor.stop() == [] and monitor.summary() == {"tool": "ixsmi", "sampled": False, "note": monitor.note}
+    ok, found = health(monitor, [sys.executable])
+    assert ok and found.startswith("device health not checked"), found
+
+
+def test_no_tool_and_none_say_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit.bench.monitor import Monitor
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert Monitor.resolve("auto").note == "devices not sampled: no ixsmi or nvidia-smi on PATH"
+    assert Monitor.resolve("nvidia-smi").note == "devices not sampled: no nvidia-smi on PATH"
+    assert Monitor.resolve("none").note == "devices not sampled: --monitor none"
+
+
+@pytest.mark.parametrize(("python", "ok", "words"), [
+    ("print('ok 0'); print('ok 1'); print('devices 2')", True, "2 device(s) answered nvidia-smi and ran a kernel"),
+    ("print('ok 0', flush=True); import time; time.sleep(30)", False,
+     "device 1 did not run a 64-element kernel within 2 s"),
+    ("print('ok 0'); print('devices 1')", False, "lists device(s) 1 that the serving Python does not see"),
+    ("raise SystemExit('CUDA error: an illegal memory access')", False, "CUDA error: an illegal memory access"),
+])
+def test_the_device_health_check_names_a_sick_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python: str,
+                                                     ok: bool, words: str) -> None:
+    """The serving Python is stood in by one that runs `python` instead of the kernel check."""
+    from toolkit.bench.monitor import Monitor, health
+
+    monkeypatch.setenv("PATH", fake_tools.path_with(fake_tools.install(tmp_path / "bin", "nvidia-smi",
+                                                                       fake_tools.NVIDIA)))
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f"#!{sys.executable}\n{python}\n")
+    stand_in.chmod(0o755)
+    got, found = health(Monitor.resolve("nvidia-smi"), [str(stand_in)], timeout_s=2)
+    assert got is ok and words in found, found
+
+
+def test_the_kernel_check_itself_runs_where_torch_has_no_device() -> None:
+    """The real check on this machine's CPU torch: no device, so a tool listing two is refused."""
+    from toolkit.bench.monitor import KERNEL_CHECK
+
+    pytest.importorskip("torch", reason="the kernel check imports torch: pip install torch==2.13.0")
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "devices 0", proc.stderr
+
+
+def test_bursts_make_the_decode_rate_unreliable() -> None:
+    from toolkit.bench.metrics import RequestRecord, summarize
+
+    steady = RequestRecord("a", "c", 0, 0, 0.0, ok=True, ttft=0.1, e2e=0.5, completion_tokens=8,
+                           content_times=[0.1 + 0.05 * i for i in range(8)])
+    burst = RequestRecord("b", "c", 0, 0, 0.0, ok=True, ttft=0.4, e2e=0.4002, completion_tokens=8,
+                          content_times=[0.4, *(0.4001 + 0.00001 * i for i in range(7))])
+    assert not steady.burst and burst.burst
+    assert summarize([steady], 1.0)["output_tps_decode_unreliable"] is False
+    both = summarize([steady, burst], 1.0)
+    assert both["stream_burst_requests"] == 1 and both["output_tps_decode_unreliable"] is True
+    from toolkit.bench.output import compare_rows
+
+    _, rows = compare_rows([("run", both)])
+    assert next(r for r in rows if r[0] == "output_tps_decode_p10")[1].endswith("UNRELIABLE (bursts)")
 
 
 def test_the_client_takes_the_cores_the_server_left_free() -> None:

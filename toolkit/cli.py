@@ -163,7 +163,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _show(bench_cmd.bench_compare([Path(p) for p in args.target[1:]]), args)
     if len(args.target) != 1 or args.output is None:
         raise ToolkitError("usage: toolkit bench URL -o RUNDIR [options], or toolkit bench compare RUNDIR...")
-    return _show(bench_cmd.bench(bench_cmd.BenchRequest(args.target[0], Path(args.output), _load(args))), args)
+    return _show(bench_cmd.bench(bench_cmd.BenchRequest(args.target[0], Path(args.output), _load(args),
+                                                        args.monitor)), args)
 
 
 def cmd_experiment(args: argparse.Namespace) -> int:
@@ -171,7 +172,8 @@ def cmd_experiment(args: argparse.Namespace) -> int:
         Path(args.recipe), Path(args.output), _load(args), variants=tuple(args.variant or ()),
         all_variants=args.all_variants, python=args.python, image=args.image, mounts=tuple(args.mount or ()),
         devices=tuple(args.device or ()), gpus=args.gpus, model=args.model, port=args.port,
-        start_timeout_s=args.start_timeout, gpu_sampler=args.gpu_sampler)), args)
+        start_timeout_s=args.start_timeout, monitor=args.monitor, device_check=args.device_check,
+        health_timeout_s=args.health_timeout, profile_requests=args.profile)), args)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -338,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a fresh salt at the start of each conversation per run, so an earlier run's prefix "
                        "cache cannot flatter this one (default on)")
         p.add_argument("-o", "--output", metavar="RUNDIR", help="a new folder for the run")
+        p.add_argument("--monitor", default="auto", metavar="auto|nvidia-smi|ixsmi|none|BINARY",
+                       help="sample the devices once a second during each run through the vendor tool's CSV query "
+                       "(auto: ixsmi, else nvidia-smi, from PATH): per device mean/max utilisation, memory and "
+                       "power in summary.json, the samples in monitor.csv, a timeline in plot.png; a missing, "
+                       "hanging or garbled tool is a note, never a failed run")
         p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     p = sub.add_parser("bench", help="measure a running server with the evaluator's metrics (`bench compare "
@@ -367,8 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a 2.2M-parameter model built offline, cached)")
     p.add_argument("--port", type=int, default=0, help="the server's port (default: a free one)")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds a server may take to be ready")
-    p.add_argument("--gpu-sampler", default="nvidia-smi", metavar="BINARY",
-                   help="nvidia-smi or a compatible binary (ixsmi); sampling is off, and said so, when it is absent")
+    p.add_argument("--device-check", action=argparse.BooleanOptionalAction, default=True,
+                   help="before each start, every device the monitor lists must answer it and run a 64-element "
+                   "kernel from the serving Python within --health-timeout; a sick device refuses the start, "
+                   "named (default on; without a device tool: not checked, and said so)")
+    p.add_argument("--health-timeout", type=float, default=60.0, metavar="S", help="seconds the kernel check may take")
+    p.add_argument("--profile", type=int, nargs="?", const=4, default=None, metavar="REQUESTS",
+                   help="after each variant's timed run, a short run of the same workload (default 4 requests) on a "
+                   "fresh server with TOOLKIT_PROFILE=1 and TOOLKIT_PROFILE_SYNC=1: its `toolkit profile` table "
+                   "in <variant>/profile/, never in the scores")
     bench_args(p)
     p.set_defaults(func=cmd_experiment)
 

@@ -4,6 +4,7 @@ measured with `toolkit bench`, archived and stopped; nothing is started beside a
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -14,8 +15,9 @@ from typing import Any
 import yaml
 
 from toolkit.bench.client import Conversation, Settings
+from toolkit.bench.monitor import Monitor, health
 from toolkit.bench.runner import bench, new_folder
-from toolkit.bench.serve import ContainerServer, GpuSampler, Lifecycle, Server, leftovers
+from toolkit.bench.serve import ContainerServer, Lifecycle, Server, leftovers
 from toolkit.errors import ToolkitError
 from toolkit.lint import lint
 from toolkit.recipe import LoadedRecipe
@@ -83,14 +85,72 @@ class VariantRun:
     ready_s: float | None = None
     stop_s: float | None = None
     runs: list[dict[str, Any]] = field(default_factory=list)
+    health: str | None = None  # what the device check before the start found
+    profile: dict[str, Any] | None = None  # the profiled run (--profile): never part of runs or scores
+
+
+@dataclass(frozen=True)
+class Options:
+    """How each variant is run besides its recipe."""
+
+    python: Path | str
+    model: Path
+    port: int
+    start_timeout_s: float
+    monitor: Monitor
+    image: InImage | None = None
+    device_check: bool = True
+    health_timeout_s: float = 60.0
+    profile_requests: int | None = None  # --profile: a profiled run of this many requests after the timed one
+
+
+PROFILE_ENV = {"TOOLKIT_PROFILE": "1", "TOOLKIT_PROFILE_SYNC": "1", "TOOLKIT_PROFILE_EVERY": "8"}
+
+
+def _server(loaded: LoadedRecipe, recipe: Any, variant: str, folder: Path, outdir: Path, settings: Settings,
+            options: Options, extra_env: dict[str, str], log_name: str) -> tuple[Lifecycle, list[str], dict[str, str]]:
+    run_config = render(recipe, loaded.path.name, variant).run_config
+    url = f"http://127.0.0.1:{options.port}"
+    image = options.image
+    if image is not None:
+        argv, env = server_command(run_config, options.python, Path("/model"), options.port)
+        env = {**env, **extra_env}
+        return (ContainerServer(image.tag, argv, {**OFFLINE_ENV, **env}, options.model, folder / log_name, url,
+                                settings.model, image.mounts, image.devices, image.gpus), argv, env)
+    argv, env = server_command(run_config, options.python, options.model, options.port)
+    env = {**env, **extra_env}
+    return (Server(argv, {**os.environ, **OFFLINE_ENV, **env}, cwd=outdir, log_path=folder / log_name, url=url,
+                   model=settings.model), argv, env)
+
+
+def _refuse_leftovers(variant: str, options: Options) -> None:
+    problems = leftovers(options.port, options.monitor)
+    if problems:
+        raise ToolkitError(f"refusing to start variant {variant}: " + "; ".join(problems),
+                           hint="stop them (a leftover worker makes a configuration look impossible), then run again")
+
+
+def _check_devices(variant: str, options: Options) -> str:
+    """The device health check before a start: a sick device refuses it, named."""
+    if not options.device_check:
+        return "device health not checked: --no-device-check"
+    if options.image is not None:
+        listed = options.monitor.devices()
+        return (f"device health: {options.monitor.tool} answered for devices {listed}; the kernel check runs only "
+                "with a local --python (not inside --image)") if listed is not None else \
+            f"device health not checked: {options.monitor.note or 'no device tool'}"
+    ok, found = health(options.monitor, [str(options.python)], options.health_timeout_s)
+    if not ok:
+        raise ToolkitError(f"refusing to start variant {variant}: {found}",
+                           hint="take the card out of the visible devices (CUDA_VISIBLE_DEVICES, or the platform's "
+                           "device list) or reset it; --no-device-check skips this check")
+    return found
 
 
 def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: list[Conversation], workload: str,
-               concurrencies: list[int], settings: Settings, outdir: Path, *, python: Path | str, model: Path,
-               port: int, start_timeout_s: float, sampler: GpuSampler,
-               image: InImage | None = None) -> list[VariantRun]:
-    """Measure every variant in turn; the server it starts is always stopped, interrupt or not. With `image`, each
-    runs in that image (`/model` mapped to `model`, `python` as the run config says unless given); else here."""
+               concurrencies: list[int], settings: Settings, outdir: Path, options: Options) -> list[VariantRun]:
+    """Measure every variant in turn; the server it starts is always stopped, interrupt or not. With an image,
+    each runs in it (`/model` mapped to the model, the Python as the run config says unless given); else here."""
     new_folder(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     results: list[VariantRun] = []
@@ -100,40 +160,24 @@ def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: lis
         if errors:
             results.append(VariantRun(variant.name, "DROPPED", "; ".join(f"{e.rule}: {e.message}" for e in errors)))
             continue
-        problems = leftovers(port, sampler)
-        if problems:
-            raise ToolkitError(f"refusing to start variant {variant.name}: " + "; ".join(problems),
-                               hint="stop them (a leftover worker makes a configuration look impossible), then "
-                               "run again")
-        folder = outdir / variant.name
-        run_config = render(recipe, loaded.path.name, variant.name).run_config
-        url = f"http://127.0.0.1:{port}"
-        server: Lifecycle
-        if image is not None:
-            argv, env = server_command(run_config, python, Path("/model"), port)
-            server = ContainerServer(image.tag, argv, {**OFFLINE_ENV, **env}, model, folder / "server.log", url,
-                                     settings.model, image.mounts, image.devices, image.gpus)
-        else:
-            argv, env = server_command(run_config, python, model, port)
-            server = Server(argv, {**os.environ, **OFFLINE_ENV, **env}, cwd=outdir, log_path=folder / "server.log",
-                            url=url, model=settings.model)
-        record = VariantRun(variant.name, "FAILED", "")
+        _refuse_leftovers(variant.name, options)
+        record = VariantRun(variant.name, "FAILED", "", health=_check_devices(variant.name, options))
         results.append(record)
+        folder = outdir / variant.name
+        server, argv, env = _server(loaded, recipe, variant.name, folder, outdir, settings, options, {}, "server.log")
         try:
             server.start()
-            record.ready_s = server.wait_ready(start_timeout_s)
-            sampler.start(folder / "gpu.csv")
+            record.ready_s = server.wait_ready(options.start_timeout_s)
             cores = server.client_cores()
-            try:
-                with _client_on(cores):
-                    runs = bench(server.url, conversations, concurrencies, settings, folder / "bench",
-                                 workload=workload, extra_run={"variant": variant.name, "argv": argv, "env": env,
-                                                               "recipe": str(loaded.path),
-                                                               "image": image.tag if image else None,
-                                                               "client_cores": sorted(cores) if cores else None})
-            finally:
-                gpu_points = sampler.stop()
-            record.runs = [dict(r.summary, run_folder=str(r.folder), gpu_samples=len(gpu_points)) for r in runs]
+            with _client_on(cores):
+                runs = bench(server.url, conversations, concurrencies, settings, folder / "bench",
+                             workload=workload, monitor=options.monitor,
+                             extra_run={"variant": variant.name, "argv": argv, "env": env,
+                                        "recipe": str(loaded.path),
+                                        "image": options.image.tag if options.image else None,
+                                        "client_cores": sorted(cores) if cores else None,
+                                        "device_health": record.health})
+            record.runs = [dict(r.summary, run_folder=str(r.folder)) for r in runs]
             record.status = "measured"
             record.detail = f"ready in {record.ready_s:.1f} s; " + ", ".join(
                 f"c={r.concurrency}: success {r.summary['success_rate']:.2f}" for r in runs)
@@ -143,16 +187,65 @@ def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: lis
         finally:
             record.stop_s = server.stop()
             time.sleep(0.2)
-            left = leftovers(port)
+            left = leftovers(options.port)
             if left:
                 record.detail += "; LEFT BEHIND after stop: " + "; ".join(left)
+        if options.profile_requests and record.status == "measured":
+            record.profile = _profiled_run(loaded, recipe, variant.name, folder, outdir, conversations, workload,
+                                           concurrencies[0], settings, options)
     (outdir / "experiment.json").write_text(
         yaml.safe_dump([r.__dict__ for r in results], sort_keys=False), encoding="utf-8")
     plot_experiment(outdir, results)
     return results
 
 
+def _profiled_run(loaded: LoadedRecipe, recipe: Any, variant: str, folder: Path, outdir: Path,
+                  conversations: list[Conversation], workload: str, concurrency: int, settings: Settings,
+                  options: Options) -> dict[str, Any]:
+    """The same workload, shorter, on a fresh server with the probes on (and the device synchronised around each
+    region): its `toolkit profile` table lands in the variant's profile/ folder, its numbers never in the scores."""
+    from toolkit.bench.profile import load, tables, text_table
+
+    where = folder / "profile"
+    raw = where / "records"
+    raw.mkdir(parents=True)
+    _refuse_leftovers(variant, options)
+    extra = {**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": "/toolkit-profile" if options.image else str(raw)}
+    image = options.image
+    if image is not None:  # the records are written inside the container: bind the folder there
+        options = Options(**{**options.__dict__, "image": InImage(image.tag, [*image.mounts, f"{raw}:/toolkit-profile"],
+                                                                  image.devices, image.gpus)})
+    server, _, _ = _server(loaded, recipe, variant, where, outdir, settings, options, extra, "server.log")
+    out: dict[str, Any] = {"folder": str(where), "env": extra, "requests": options.profile_requests}
+    try:
+        server.start()
+        server.wait_ready(options.start_timeout_s)
+        bench(server.url, conversations[:options.profile_requests], [concurrency], settings, where / "bench",
+              workload=workload)
+    except ToolkitError as exc:
+        out["note"] = f"the profiled run failed: {exc.message.splitlines()[0]}"
+        return out
+    finally:
+        server.stop()
+    files = sorted(raw.glob("profile-*.jsonl"))
+    if not files:
+        out["note"] = ("the profiled run wrote no record: the server's code carries no probe (a server from a "
+                       "tree the recipe's probe transforms were applied to writes them)")
+        return out
+    buckets = tables(load([raw]))
+    (where / "profile.json").write_text(json.dumps({"buckets": buckets}, indent=2) + "\n", encoding="utf-8")
+    (where / "profile.txt").write_text(text_table(buckets), encoding="utf-8")
+    out["buckets"] = {b: len(rows) for b, rows in buckets.items()}
+    out["table"] = str(where / "profile.txt")
+    return out
+
+
+RATES = ("cache_hit_rate", "success_rate")
+
+
 def plot_experiment(outdir: Path, results: list[VariantRun]) -> str | None:
+    """experiment.png: one bar panel per metric, a bar per variant and concurrency, its value written on it; rates
+    on a 0..1 axis, the official target drawn where the metric has one, a panel with no value says so."""
     try:
         import matplotlib
 
@@ -160,17 +253,51 @@ def plot_experiment(outdir: Path, results: list[VariantRun]) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "experiment.png not drawn: matplotlib is not installed"
+    from toolkit.bench.metrics import TARGETS
+
     measured = [(r.variant, run) for r in results for run in r.runs]
     if not measured:
         return None
-    metrics = ("output_tps_agg", "ttft_p90_ms", "output_tps_e2e_p10", "cache_hit_rate")
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 4))
+    targets = {t.metric: t for t in TARGETS}
+    metrics = ["output_tps_agg", "ttft_p90_ms", "output_tps_e2e_p10", "cache_hit_rate", "success_rate"]
+    if any((run.get("monitor") or {}).get("devices") for _, run in measured):
+        metrics.append("device_utilization_pct_mean")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 4.2))
     labels = [f"{name}\nc={run['concurrency']}" for name, run in measured]
     for ax, metric in zip(axes, metrics, strict=True):
-        ax.bar(range(len(measured)), [run.get(metric) or 0 for _, run in measured])
+        values = [_metric(run, metric) for _, run in measured]
+        ax.set_title(metric, fontsize=9)
+        if all(v is None for v in values):
+            ax.text(0.5, 0.5, f"no run reported {metric}", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        bars = ax.bar(range(len(measured)), [v or 0 for v in values])
+        for bar, value in zip(bars, values, strict=True):
+            ax.annotate("-" if value is None else f"{value:.3g}", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(measured)), labels, fontsize=7)
-        ax.set_title(metric)
+        if metric in RATES or metric == "device_utilization_pct_mean":
+            ax.set_ylim(0, 1.05 if metric in RATES else 100)
+        else:
+            ax.set_ylim(0, max(v or 0 for v in values) * 1.2 or 1)
+        target = targets.get(metric)
+        if target is not None:
+            ax.axhline(target.value, color="red", linestyle="--", label=f"target {target.op} {target.value:g}")
+            top = ax.get_ylim()[1]
+            if target.value > top:
+                ax.set_ylim(0, target.value * 1.1)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(outdir / "experiment.png", dpi=80)
     plt.close(fig)
     return None
+
+
+def _metric(run: dict[str, Any], metric: str) -> float | None:
+    if metric == "device_utilization_pct_mean":
+        devices = (run.get("monitor") or {}).get("devices") or {}
+        values = [d["utilization_pct_mean"] for d in devices.values() if d.get("utilization_pct_mean") is not None]
+        return sum(values) / len(values) if values else None
+    value = run.get(metric)
+    return float(value) if isinstance(value, int | float) else None

@@ -18,6 +18,10 @@ BUCKETS = (("lt_6k", 0, 6_000), ("6k_16k", 6_000, 16_000), ("16k_32k", 16_000, 3
 FAILURE_CLASSES = ("http_4xx", "http_5xx", "connection", "timeout", "stream_aborted", "no_usage", "error_event")
 # the public proxy's weights: output term, uncached input, cache
 PROXY = (16.796, 2.799, 0.56)
+# a stream whose tokens after the first all arrived within this of each other came in one burst: no decoder runs
+# that fast (64 tokens in 5 ms is 12,800 tokens/s for one request); the client or the server's stream was starved
+BURST_S = 0.005
+BURST_MIN_TOKENS = 4
 
 
 @dataclass
@@ -62,13 +66,21 @@ class RequestRecord:
         return self.completion_tokens / (self.e2e - self.ttft)
 
     @property
+    def burst(self) -> bool:
+        """All of the stream's tokens after the first arrived in one burst (its decode rate then measures nothing)."""
+        if not self.ok or self.completion_tokens < BURST_MIN_TOKENS or not self.content_times:
+            return False
+        rest = self.content_times[1:]
+        return not rest or max(rest) - min(rest) < BURST_S
+
+    @property
     def bucket(self) -> str:
         return next(name for name, low, high in BUCKETS if low <= self.prompt_tokens < high)
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.update(uncached_tokens=self.uncached_tokens, output_tps_e2e=self.output_tps_e2e,
-                    output_tps_decode=self.output_tps_decode, bucket=self.bucket)
+                    output_tps_decode=self.output_tps_decode, bucket=self.bucket, burst=self.burst)
         return data
 
 
@@ -121,7 +133,11 @@ def summarize(records: Iterable[RequestRecord], wall_s: float) -> dict[str, Any]
         "output_tps_decode_p10": percentile(decode_tps, 10), "output_tps_decode_p50": percentile(decode_tps, 50),
         "output_tps_agg": output / wall, "uncached_input_tps_agg": (prompt - cached) / wall,
         "cache_tps_agg": cached / wall,
+        "stream_burst_requests": sum(1 for r in ok if r.burst),
     }
+    # a burst makes its request's decode rate tokens over ~0 s: the decode percentiles then measure the stream's
+    # delivery, not the decoder (the official, end-to-end rate is unaffected)
+    out["output_tps_decode_unreliable"] = out["stream_burst_requests"] > 0
     for name, _, _ in BUCKETS:
         times = [r.ttft for r in ok if r.bucket == name and r.ttft is not None]
         if times:

@@ -21,6 +21,7 @@ from toolkit import __version__
 from toolkit.bench import output
 from toolkit.bench.client import Conversation, Settings, run
 from toolkit.bench.metrics import RequestRecord, summarize
+from toolkit.bench.monitor import Monitor
 from toolkit.errors import ToolkitError
 
 COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
@@ -72,8 +73,9 @@ def new_folder(path: Path) -> Path:
 
 def bench(url: str, conversations: list[Conversation], concurrencies: list[int], settings: Settings,
           outdir: Path, *, workload: str, extra_run: dict[str, Any] | None = None,
-          gpu: list[tuple[float, float]] | None = None) -> list[Run]:
-    """Run the workload once per concurrency (a fresh salt each), write everything, return the runs."""
+          monitor: Monitor | None = None) -> list[Run]:
+    """Run the workload once per concurrency (a fresh salt each), the devices sampled during each when a monitor
+    is given, write everything, return the runs."""
     new_folder(outdir)
     outdir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.partial.", dir=outdir.parent))
@@ -91,9 +93,16 @@ def bench(url: str, conversations: list[Conversation], concurrencies: list[int],
                 def advance(_record: RequestRecord, task: TaskID = task) -> None:
                     progress.advance(task)
 
-                records, wall = asyncio.run(run(conversations, salted, concurrency, on_done=advance))
+                if monitor is not None:
+                    monitor.start()
+                try:
+                    records, wall = asyncio.run(run(conversations, salted, concurrency, on_done=advance))
+                finally:
+                    samples = monitor.stop() if monitor is not None else []
             after = server_counters(url)
             summary = summarize(records, wall)
+            if monitor is not None:
+                summary["monitor"] = monitor.summary()
             summary.update(concurrency=concurrency, workload=workload, salt=salted.salt,
                            max_tokens=settings.max_tokens, ignore_eos=settings.ignore_eos)
             if before is not None and after is not None:
@@ -106,7 +115,9 @@ def bench(url: str, conversations: list[Conversation], concurrencies: list[int],
                                      "salt": salted.salt},
                         "server": server_info(url), **(extra_run or {})}
             output.write_run(folder, run_info, records, summary)
-            note = output.plot(folder, records, summary, gpu)
+            if monitor is not None:
+                monitor.write_samples(folder)
+            note = output.plot(folder, records, summary, samples)
             runs.append(Run(concurrency, outdir / folder.name, summary, records, note))
         if outdir.exists():
             outdir.rmdir()  # new_folder() proved it empty

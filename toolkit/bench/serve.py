@@ -1,11 +1,10 @@
 """A server's lifecycle: refuse to start beside leftovers, start in its own process group, wait until it serves,
-stop the whole group (SIGTERM, wait, SIGKILL), and sample GPU use when a sampler exists."""
+stop the whole group (SIGTERM, wait, SIGKILL); what a device monitor says is left behind."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ from typing import IO, Any
 
 import httpx
 
+from toolkit.bench.monitor import Monitor
 from toolkit.errors import ToolkitError
 
 # what a vLLM server or one of its workers looks like in a process table
@@ -62,16 +62,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def leftovers(port: int, sampler: GpuSampler | None = None, gpu_memory_mb: float = 1024.0) -> list[str]:
+def leftovers(port: int, monitor: Monitor | None = None, gpu_memory_mib: float = 1024.0) -> list[str]:
     """Everything that would make a new server look worse than it is: strays, a taken port, GPU memory held."""
     problems = [f"stray server/worker process {p}" for p in stray_processes()]
     problems += [f"container left running {c}" for c in stray_containers()]
     if port_in_use(port):
         problems.append(f"port {port} is already taken")
-    if sampler is not None and sampler.available:
-        used = sampler.memory_used_mb()
-        if used is not None and used > gpu_memory_mb:
-            problems.append(f"{used:.0f} MB of GPU memory held with no server of ours running")
+    if monitor is not None and monitor.available:
+        used = monitor.memory_used_mib()
+        if used is not None and used > gpu_memory_mib:
+            problems.append(f"{used:.0f} MiB of device memory held with no server of ours running ({monitor.tool})")
     return problems
 
 
@@ -285,52 +285,3 @@ def client_cores(server_pgid: int) -> set[int] | None:
                 bound |= cores
     left = available - bound
     return left if bound and left else None
-
-
-@dataclass
-class GpuSampler:
-    """nvidia-smi (or a compatible binary such as ixsmi) sampled once a second into a CSV; off when absent."""
-
-    binary: str = "nvidia-smi"
-    csv_path: Path | None = None
-    process: subprocess.Popen[bytes] | None = None
-    samples: list[tuple[float, float, float]] = field(default_factory=list)  # (s, util %, memory MB)
-
-    @property
-    def available(self) -> bool:
-        return shutil.which(self.binary) is not None
-
-    QUERY = ("--query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total", "--format=csv,noheader,nounits")
-
-    def memory_used_mb(self) -> float | None:
-        try:
-            out = subprocess.run([self.binary, *self.QUERY], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        values = [float(row.split(",")[3]) for row in out.splitlines() if len(row.split(",")) >= 5]
-        return sum(values) if values else None
-
-    def start(self, csv_path: Path) -> None:
-        if not self.available:
-            return
-        self.csv_path = csv_path
-        self._started = time.monotonic()
-        self.process = subprocess.Popen([self.binary, *self.QUERY, "-lms", "1000"], stdout=csv_path.open("wb"),
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
-
-    def stop(self) -> list[tuple[float, float]]:
-        """(seconds since start, utilisation %) per sample."""
-        if self.process is None or self.csv_path is None:
-            return []
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        self.process.wait(10)
-        self.process = None
-        by_time: dict[str, list[float]] = {}
-        for row in self.csv_path.read_text().splitlines():
-            cells = [c.strip() for c in row.split(",")]
-            if len(cells) >= 5:
-                with contextlib.suppress(ValueError):
-                    by_time.setdefault(cells[0], []).append(float(cells[2]))
-        # one sample a second; the cards of one sample averaged
-        return [(float(i), sum(u) / len(u)) for i, u in enumerate(by_time.values())]

@@ -63,16 +63,42 @@ class BenchRequest:
     url: str
     output: Path  # a new folder for the run
     load: Load = field(default_factory=Load)
+    monitor: str = "auto"  # auto, nvidia-smi, ixsmi (or a compatible binary), none
+
+
+def _run_notes(runs: list[Any], monitor: Any) -> list[str]:
+    """Per run: bursts that make the decode rate meaningless, and what the device monitor saw or why not."""
+    notes = [] if monitor.available else [str(monitor.note)]
+    for run in runs:
+        s = run.summary
+        if s.get("output_tps_decode_unreliable"):
+            notes.append(f"c={run.concurrency}: {s['stream_burst_requests']} of {s['successful']} requests got all "
+                         "their tokens after the first in one burst: output_tps_decode_* is UNRELIABLE for this run "
+                         "(the stream's delivery was measured, not the decoder; the official end-to-end rate stands)")
+        seen = s.get("monitor") or {}
+        for device, d in (seen.get("devices") or {}).items():
+            power = f", power mean {d['power_w_mean']} W max {d['power_w_max']} W" if d["power_w_mean"] is not None \
+                else ""
+            notes.append(f"c={run.concurrency}: device {device} ({seen['tool']}): utilisation mean "
+                         f"{d['utilization_pct_mean']}% max {d['utilization_pct_max']}%, memory max "
+                         f"{d['memory_used_mib_max']} of {d['memory_total_mib']} MiB{power}")
+        notes += [f"c={run.concurrency}: monitor: {n}" for n in seen.get("notes", [])]
+        if seen.get("note") and seen.get("sampled"):
+            notes.append(f"c={run.concurrency}: monitor: {seen['note']}")
+    return notes
 
 
 def bench(request: BenchRequest) -> Report:
+    from toolkit.bench.monitor import Monitor
     from toolkit.bench.runner import bench as run_bench
 
     kind, conversations = request.load.conversations()
+    monitor = Monitor.resolve(request.monitor)
     PROGRESS.untouched = f"{request.output} was not written (a run is written whole at its end)"
     runs = run_bench(request.url, conversations, list(request.load.concurrency), request.load.settings(request.url),
-                     request.output, workload=kind)
-    notes = [f"wrote {request.output}: one folder per concurrency (run.json, requests.jsonl, summary.json, plot.png)",
+                     request.output, workload=kind, monitor=monitor)
+    notes = [f"wrote {request.output}: one folder per concurrency (run.json, requests.jsonl, summary.json, plot.png"
+             + (", monitor.csv" if monitor.available else "") + ")",
              "Output TPS: output_tps_e2e_* is the official per-request rate (end-to-end, TTFT included); "
              "output_tps_decode_* is tokens after the first one over decode time (the prior art's rate)",
              "weighted_throughput_p10_output uses X = official Output TPS P10 (the public proxy); "
@@ -89,6 +115,7 @@ def bench(request: BenchRequest) -> Report:
                          f"{deltas.get('vllm:prefix_cache_hits_total', 0):.0f}: {'equal' if same else 'DIFFERENT'}")
         if run.plot_note:
             notes.append(run.plot_note)
+    notes += _run_notes(runs, monitor)
     return _report("bench", request.url, [(f"c={r.concurrency}", r.summary) for r in runs], notes,
                    {"outdir": str(request.output), "runs": [r.summary for r in runs]})
 
@@ -100,6 +127,17 @@ def bench_compare(folders: list[Path]) -> Report:
         raise ToolkitError("bench compare needs run folders", hint="toolkit bench compare RUN1/c1 RUN2/c1")
     loaded_runs = [(str(f), load_summary(f)) for f in folders]
     return _report("bench compare", ", ".join(map(str, folders)), loaded_runs, [], {"runs": dict(loaded_runs)})
+
+
+@dataclass(frozen=True)
+class _Summary:
+    """A variant's run as `_run_notes` reads it."""
+
+    summary: dict[str, Any]
+
+    @property
+    def concurrency(self) -> Any:
+        return self.summary.get("concurrency")
 
 
 @dataclass(frozen=True)
@@ -117,14 +155,18 @@ class ExperimentRequest:
     model: str = "tiny"  # the model folder mapped to /model, or tiny
     port: int = 0  # 0: a free one
     start_timeout_s: float = 300.0
-    gpu_sampler: str = "nvidia-smi"
+    monitor: str = "auto"  # auto, nvidia-smi, ixsmi (or a compatible binary), none
+    device_check: bool = True  # each device answers the tool and runs a tiny kernel before each start
+    health_timeout_s: float = 60.0
+    profile_requests: int | None = None  # --profile: a profiled run of this many requests after each timed one
 
 
 def experiment(request: ExperimentRequest) -> Report:
     from toolkit.bench import cpu_server
-    from toolkit.bench.experiment import InImage
+    from toolkit.bench.experiment import InImage, Options
     from toolkit.bench.experiment import experiment as run_experiment
-    from toolkit.bench.serve import GpuSampler, free_port
+    from toolkit.bench.monitor import Monitor
+    from toolkit.bench.serve import free_port
 
     loaded = load_recipe(request.recipe)
     every = expand_variants(loaded.recipe)
@@ -153,16 +195,28 @@ def experiment(request: ExperimentRequest) -> Report:
     if not model.is_dir():
         raise ToolkitError(f"--model {model} is not a folder", hint="the model folder mapped to /model, or `tiny`")
     port = request.port or free_port()
-    sampler = GpuSampler(request.gpu_sampler)
-    notes = [] if sampler.available else [f"GPU use not sampled: no {request.gpu_sampler} on this machine"]
+    monitor = Monitor.resolve(request.monitor)
+    notes: list[str] = []
     PROGRESS.untouched = f"{request.output}: the servers this run started were stopped; finished variants are kept"
+    options = Options(python, model, port, request.start_timeout_s, monitor, image, request.device_check,
+                      request.health_timeout_s, request.profile_requests)
     results = run_experiment(loaded, chosen, conversations, kind, list(request.load.concurrency),
-                             request.load.settings(f"http://127.0.0.1:{port}"), request.output, python=python,
-                             model=model, port=port, start_timeout_s=request.start_timeout_s, sampler=sampler,
-                             image=image)
+                             request.load.settings(f"http://127.0.0.1:{port}"), request.output, options)
     runs = [(f"{r.variant} c={run['concurrency']}", run) for r in results for run in r.runs]
-    notes += [f"{r.variant}: {r.status}: {r.detail}" for r in results]
-    notes.append(f"wrote {request.output}: per variant server.log and bench/, experiment.json, experiment.png")
+    for r in results:
+        notes.append(f"{r.variant}: {r.status}: {r.detail}")
+        if r.health:
+            notes.append(f"{r.variant}: {r.health}")
+        notes += [f"{r.variant} {n}" for n in _run_notes([_Summary(x) for x in r.runs], monitor)
+                  if not n.startswith("devices not sampled")]
+        if r.profile is not None:
+            notes.append(f"{r.variant}: profiled run (not in the scores): "
+                         + (r.profile.get("note") or f"table in {r.profile['table']}"))
+    if not monitor.available:
+        notes.append(str(monitor.note))
+    notes.append(f"wrote {request.output}: per variant server.log and bench/ (per run monitor.csv when sampled), "
+                 "experiment.json, experiment.png" + ("; per variant profile/ (profile.txt, profile.json, its own "
+                                                     "bench/ and server.log)" if request.profile_requests else ""))
     report = _report("experiment", str(loaded.path), runs, notes,
                      {"outdir": str(request.output), "variants": [r.__dict__ for r in results]})
     return dataclasses.replace(report, exit_code=EXIT_OK if all(r.status != "FAILED" for r in results)

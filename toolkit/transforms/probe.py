@@ -33,7 +33,7 @@ from pydantic import Field, field_validator, model_validator
 from toolkit.fields import PyBlock, PyExpr, Strict
 from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import canonical, code_of, replace_nodes, walk_scope
-from toolkit.transforms.statements import _canonical, _docstring_end, _suites, parse_block
+from toolkit.transforms.statements import canonical_statements, docstring_end, parse_block, suites
 
 REGION_PATTERN = r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$"
 BUCKET_PATTERN = r"^[a-z][a-z0-9_]*$"
@@ -102,7 +102,7 @@ class Probe(ModuleEdit):
 class ProbeKind:
     def __init__(self, spec: Probe, ctx: Context) -> None:
         self.spec = spec
-        self.run = _canonical(parse_block(spec.statements)) if spec.statements is not None else None
+        self.run = canonical_statements(parse_block(spec.statements)) if spec.statements is not None else None
         self.importing = cst.parse_statement(f"import {spec.runtime} as {ALIAS}\n")
         assert isinstance(self.importing, cst.SimpleStatementLine)
         self.import_key = canonical_stmt(self.importing)
@@ -135,7 +135,7 @@ class ProbeKind:
             rule = rule.replace(f", {b.tokens}", f", tokens={b.tokens!r}", 1)
         return f"{ALIAS}.probe({self.spec.region!r}{rule})"
 
-    def _timed_func(self) -> str:
+    def timed_func(self) -> str:
         return f"{ALIAS}.timed({self.spec.region!r}, {self.spec.calls}{self._rule_args()})"
 
     def _ours(self, stmt: cst.CSTNode) -> bool:
@@ -179,7 +179,7 @@ class ProbeKind:
             pre = post = 0
             for node in walk_scope(fn):
                 if isinstance(node, cst.Call):
-                    if self._is_callee(node.func):
+                    if self.is_callee(node.func):
                         pre += 1
                     elif self._is_timed(node.func):
                         post += 1
@@ -211,12 +211,12 @@ class ProbeKind:
                         f"from one (parameters: {', '.join(names)})")
         return None
 
-    def _is_callee(self, func: cst.BaseExpression) -> bool:
+    def is_callee(self, func: cst.BaseExpression) -> bool:
         return isinstance(func, cst.Name | cst.Attribute) and canonical(func) == canonical(self.spec.calls or "")
 
     def _is_timed(self, func: cst.BaseExpression) -> bool:
         try:
-            return isinstance(func, cst.Call) and canonical(func) == canonical(self._timed_func())
+            return isinstance(func, cst.Call) and canonical(func) == canonical(self.timed_func())
         except SyntaxError:
             return False
 
@@ -226,7 +226,7 @@ class ProbeKind:
         for node in walk_scope(fn):
             if self._ours(node):
                 assert isinstance(node, cst.With) and isinstance(node.body, cst.IndentedBlock)
-                if _canonical(node.body.body) == self.run:
+                if canonical_statements(node.body.body) == self.run:
                     out.add(id(node.body))
         return out
 
@@ -234,10 +234,10 @@ class ProbeKind:
         """Per statement list (except those in `skip`), the indexes where the run starts."""
         assert self.run is not None
         size, out = len(self.run), []
-        for suite in _suites(fn):
+        for suite in suites(fn):
             if id(suite) in skip or not isinstance(suite, cst.IndentedBlock):
                 continue
-            canon = _canonical(suite.body)
+            canon = canonical_statements(suite.body)
             starts = [i for i in range(len(canon)) if tuple(canon[i:i + size]) == self.run]
             if starts:
                 out.append((suite, starts))
@@ -312,8 +312,8 @@ class _TimeCalls(cst.CSTTransformer):
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         # depth 1: the probed function itself
-        if self.depth == 1 and self.kind._is_callee(original.func):
-            return updated.with_changes(func=cst.parse_expression(self.kind._timed_func()))
+        if self.depth == 1 and self.kind.is_callee(original.func):
+            return updated.with_changes(func=cst.parse_expression(self.kind.timed_func()))
         return updated
 
 
@@ -328,7 +328,7 @@ def _generator(fn: cst.FunctionDef) -> bool:
 def _add_import(module: cst.Module, stmt: cst.SimpleStatementLine | cst.BaseCompoundStatement) -> cst.Module:
     """After the module docstring and the `from __future__` imports, where an import may go."""
     body = list(module.body)
-    at = _docstring_end(module)
+    at = docstring_end(module)
     while at < len(body) and isinstance(body[at], cst.SimpleStatementLine) and any(
             isinstance(s, cst.ImportFrom) and s.module is not None and code_of(s.module) == "__future__"
             for s in body[at].body):  # type: ignore[union-attr]

@@ -46,20 +46,20 @@ def _key(statement: cst.BaseStatement) -> str:
     return "\n".join(ast.dump(node) for node in ast.parse(code).body)
 
 
-def _canonical(statements: Sequence[cst.BaseStatement]) -> tuple[str, ...]:
+def canonical_statements(statements: Sequence[cst.BaseStatement]) -> tuple[str, ...]:
     return tuple(_key(s) for s in statements)
 
 
 @functools.lru_cache(maxsize=256)
 def _canonical_text(text: str) -> tuple[str, ...]:
-    return _canonical(parse_block(text))
+    return canonical_statements(parse_block(text))
 
 
 def parse_block(text: str) -> list[cst.BaseStatement]:
     return list(cst.parse_module(textwrap.dedent(text).strip("\n") + "\n").body)
 
 
-def _suites(scope: cst.CSTNode) -> Iterator[Suite]:
+def suites(scope: cst.CSTNode) -> Iterator[Suite]:
     """Every statement list in a scope, nested blocks included, nested defs and classes excluded."""
 
     def inner(node: cst.CSTNode) -> Iterator[Suite]:
@@ -84,7 +84,7 @@ def _suites(scope: cst.CSTNode) -> Iterator[Suite]:
         yield from walk(scope.body)
 
 
-def _docstring_end(suite: Suite) -> int:
+def docstring_end(suite: Suite) -> int:
     first = suite.body[0] if suite.body else None
     if (isinstance(first, cst.SimpleStatementLine) and len(first.body) == 1 and isinstance(first.body[0], cst.Expr)
             and isinstance(first.body[0].value, cst.SimpleString | cst.ConcatenatedString)):
@@ -111,14 +111,14 @@ class StatementsKind:
         """(suite, index, is_post) for each site: the run to replace, or the place to insert at."""
         out: list[tuple[Suite, int, bool]] = []
         if self.old is None and self.after is None:
-            suite = next(_suites(scope), None)
+            suite = next(suites(scope), None)
             if suite is None:
                 return out
-            start = _docstring_end(suite)
-            present = _canonical(suite.body[start:start + len(self.new)]) == self.new
+            start = docstring_end(suite)
+            present = canonical_statements(suite.body[start:start + len(self.new)]) == self.new
             return [(suite, start, present)]
-        for suite in _suites(scope):
-            canon = _canonical(suite.body)
+        for suite in suites(scope):
+            canon = canonical_statements(suite.body)
             for i in range(len(canon)):
                 if self.old is not None:
                     if tuple(canon[i:i + len(self.old)]) == self.old:
