@@ -116,6 +116,31 @@ def test_probe_bucket_rules_are_checked_when_loaded(bucket: dict[str, Any], erro
                               "bucket": bucket, **PROVENANCE})
 
 
+@pytest.mark.parametrize(("spec", "expected"), [
+    ({"scope": "ModelRunner.execute_model", "region": "step",
+      "bucket": {"tokens": "model_input.attn_metadata.num_prefill_tokens", "edges": {"decode": 0, "prefill": None}}},
+     # innermost, under the vendor's own decorators
+     "    @dump_input_when_exception(exclude_args=[0], exclude_kwargs=[\"self\"])\n    @_toolkit_profile.probe('step', "
+     "tokens='model_input.attn_metadata.num_prefill_tokens', buckets=(('decode', 0), ('prefill', None),))\n"
+     "    def execute_model("),
+    ({"scope": "ModelRunner.execute_model", "region": "step.model_forward", "calls": "model_executable"},
+     "            hidden_or_intermediate_states = _toolkit_profile.timed('step.model_forward', "
+     "model_executable)(\n"),
+    ({"scope": "ModelRunner.execute_model", "region": "step.prepare",
+      "statements": "prefill_meta = model_input.attn_metadata.prefill_metadata\n"
+                    "decode_meta = model_input.attn_metadata.decode_metadata"},
+     "        with _toolkit_profile.region('step.prepare') if _toolkit_profile.ON else _toolkit_profile.OFF:\n"
+     "            prefill_meta = model_input.attn_metadata.prefill_metadata\n"
+     "            decode_meta = model_input.attn_metadata.decode_metadata\n"),
+], ids=["function", "calls", "statements"])
+def test_probe_on_the_real_model_runner(vllm_063: Path, spec: dict[str, Any], expected: str) -> None:
+    """check_kind on vLLM 0.6.3's own model_runner.py: planned, idempotent, checked clean; the result compiles."""
+    before = (vllm_063 / "vllm/worker/model_runner.py").read_text()
+    text = check_kind({"kind": "probe", **spec}, before, None)
+    assert expected in text, text[text.find("def execute_model") - 300:][:2500]
+    compile(text, "model_runner.py", "exec")
+
+
 # -- the runtime -----------------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -20,6 +20,8 @@ from toolkit.commands.build import BuildRequest, build, check
 from toolkit.commands.common import Inputs
 from toolkit.commands.lint import LintRequest, lint, variants
 from toolkit.commands.preflight import PreflightRequest, preflight
+from toolkit.commands.profile import ProfileRequest, profile
+from toolkit.commands.profile import compare as profile_compare
 from toolkit.commands.schema import schema_text
 from toolkit.commands.tree import ApplyRequest, DiffRequest, VerifyRequest, apply, diff, verify
 from toolkit.commands.vendor import CompareRequest, compare, pull
@@ -30,7 +32,7 @@ vendor_pull, vendor_compare = pull, compare
 
 __all__ = [
     "ApplyRequest", "BenchRequest", "BuildRequest", "CompareRequest", "DiffRequest", "ExperimentRequest", "Inputs",
-    "LintRequest", "Load", "PreflightRequest", "Report", "ToolkitError", "VerifyRequest", "__version__", "apply",
-    "bench", "bench_compare", "build", "check", "diff", "experiment", "lint", "preflight", "schema_text", "variants",
-    "vendor_compare", "vendor_pull", "verify",
+    "LintRequest", "Load", "PreflightRequest", "ProfileRequest", "Report", "ToolkitError", "VerifyRequest",
+    "__version__", "apply", "bench", "bench_compare", "build", "check", "diff", "experiment", "lint", "preflight",
+    "profile", "profile_compare", "schema_text", "variants", "vendor_compare", "vendor_pull", "verify",
 ]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Literal
+from typing import Any, Literal
 
 import libcst as cst
 from pydantic import Field, field_validator, model_validator
@@ -281,34 +281,24 @@ class ProbeKind:
         return template.with_changes(body=template.body.with_changes(body=inner), leading_lines=leading)
 
 
+_SCOPES = (cst.FunctionDef, cst.ClassDef, cst.Lambda)
+
+
 class _TimeCalls(cst.CSTTransformer):
     def __init__(self, kind: ProbeKind) -> None:
+        super().__init__()
         self.kind = kind
-        self.depth = 0  # inside a nested def, class or lambda (a scope of its own)
+        self.depth = 0  # 1: the probed function itself; deeper: a nested def, class or lambda (a scope of its own)
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self.depth += 1
-        return True
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, _SCOPES):
+            self.depth += 1
+        return super().on_visit(node)
 
-    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
-        self.depth -= 1
-        return updated
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        self.depth += 1
-        return True
-
-    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
-        self.depth -= 1
-        return updated
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        self.depth += 1
-        return True
-
-    def leave_Lambda(self, original: cst.Lambda, updated: cst.Lambda) -> cst.Lambda:
-        self.depth -= 1
-        return updated
+    def on_leave(self, original: cst.CSTNode, updated: cst.CSTNode) -> Any:
+        if isinstance(original, _SCOPES):
+            self.depth -= 1
+        return super().on_leave(original, updated)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         # depth 1: the probed function itself
