@@ -61,6 +61,7 @@ class InImage:
     mounts: list[str] = field(default_factory=list)  # extra read-only HOST:CONTAINER mounts
     devices: list[str] = field(default_factory=list)  # device files to pass in (e.g. /dev/iluvatar0)
     gpus: bool = False  # request every GPU (the NVIDIA container runtime)
+    writable: list[str] = field(default_factory=list)  # HOST:CONTAINER mounts the server writes into
 
 
 def server_command(run_config: str, python: Path | str, model: Path, port: int) -> tuple[list[str], dict[str, str]]:
@@ -116,7 +117,7 @@ def _server(loaded: LoadedRecipe, recipe: Any, variant: str, folder: Path, outdi
         argv, env = server_command(run_config, options.python, Path("/model"), options.port)
         env = {**env, **extra_env}
         return (ContainerServer(image.tag, argv, {**OFFLINE_ENV, **env}, options.model, folder / log_name, url,
-                                settings.model, image.mounts, image.devices, image.gpus), argv, env)
+                                settings.model, image.mounts, image.devices, image.gpus, image.writable), argv, env)
     argv, env = server_command(run_config, options.python, options.model, options.port)
     env = {**env, **extra_env}
     return (Server(argv, {**os.environ, **OFFLINE_ENV, **env}, cwd=outdir, log_path=folder / log_name, url=url,
@@ -213,8 +214,8 @@ def _profiled_run(loaded: LoadedRecipe, recipe: Any, variant: str, folder: Path,
     extra = {**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": "/toolkit-profile" if options.image else str(raw)}
     image = options.image
     if image is not None:  # the records are written inside the container: bind the folder there
-        options = Options(**{**options.__dict__, "image": InImage(image.tag, [*image.mounts, f"{raw}:/toolkit-profile"],
-                                                                  image.devices, image.gpus)})
+        options = Options(**{**options.__dict__, "image": InImage(image.tag, image.mounts, image.devices, image.gpus,
+                                                                  [f"{raw}:/toolkit-profile"])})
     server, _, _ = _server(loaded, recipe, variant, where, outdir, settings, options, extra, "server.log")
     out: dict[str, Any] = {"folder": str(where), "env": extra, "requests": options.profile_requests}
     try:

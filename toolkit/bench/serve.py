@@ -199,6 +199,7 @@ class ContainerServer(Lifecycle):
     mounts: list[str] = field(default_factory=list)  # HOST:CONTAINER, read-only
     devices: list[str] = field(default_factory=list)
     gpus: bool = False
+    writable: list[str] = field(default_factory=list)  # HOST:CONTAINER the server writes into (profile records)
     container: Any = None
 
     def start(self) -> None:
@@ -208,9 +209,9 @@ class ContainerServer(Lifecycle):
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         volumes = {str(self.model_dir): {"bind": "/model", "mode": "ro"}}
-        for mount in self.mounts:
+        for mount, mode in [*((m, "ro") for m in self.mounts), *((m, "rw") for m in self.writable)]:
             host, _, inside = mount.partition(":")
-            volumes[host] = {"bind": inside or host, "mode": "ro"}
+            volumes[host] = {"bind": inside or host, "mode": mode}
         requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if self.gpus else None
         self.container = client().containers.run(
             self.image, command=self.argv, environment=self.env, network_mode="host", ipc_mode="host",
