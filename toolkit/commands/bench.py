@@ -66,25 +66,25 @@ class BenchRequest:
     monitor: str = "auto"  # auto, nvidia-smi, ixsmi (or a compatible binary), none
 
 
-def _run_notes(runs: list[Any], monitor: Any) -> list[str]:
-    """Per run: bursts that make the decode rate meaningless, and what the device monitor saw or why not."""
-    notes = [] if monitor.available else [str(monitor.note)]
-    for run in runs:
-        s = run.summary
+def _run_notes(summaries: list[dict[str, Any]]) -> list[str]:
+    """Per run: bursts that make the decode rate meaningless, and what the device monitor saw."""
+    notes = []
+    for s in summaries:
+        c = s.get("concurrency")
         if s.get("output_tps_decode_unreliable"):
-            notes.append(f"c={run.concurrency}: {s['stream_burst_requests']} of {s['successful']} requests got all "
+            notes.append(f"c={c}: {s['stream_burst_requests']} of {s['successful']} requests got all "
                          "their tokens after the first in one burst: output_tps_decode_* is UNRELIABLE for this run "
                          "(the stream's delivery was measured, not the decoder; the official end-to-end rate stands)")
         seen = s.get("monitor") or {}
         for device, d in (seen.get("devices") or {}).items():
             power = f", power mean {d['power_w_mean']} W max {d['power_w_max']} W" if d["power_w_mean"] is not None \
                 else ""
-            notes.append(f"c={run.concurrency}: device {device} ({seen['tool']}): utilisation mean "
+            notes.append(f"c={c}: device {device} ({seen['tool']}): utilisation mean "
                          f"{d['utilization_pct_mean']}% max {d['utilization_pct_max']}%, memory max "
                          f"{d['memory_used_mib_max']} of {d['memory_total_mib']} MiB{power}")
-        notes += [f"c={run.concurrency}: monitor: {n}" for n in seen.get("notes", [])]
+        notes += [f"c={c}: monitor: {n}" for n in seen.get("notes", [])]
         if seen.get("note") and seen.get("sampled"):
-            notes.append(f"c={run.concurrency}: monitor: {seen['note']}")
+            notes.append(f"c={c}: monitor: {seen['note']}")
     return notes
 
 
@@ -115,7 +115,9 @@ def bench(request: BenchRequest) -> Report:
                          f"{deltas.get('vllm:prefix_cache_hits_total', 0):.0f}: {'equal' if same else 'DIFFERENT'}")
         if run.plot_note:
             notes.append(run.plot_note)
-    notes += _run_notes(runs, monitor)
+    notes += _run_notes([r.summary for r in runs])
+    if not monitor.available:
+        notes.append(str(monitor.note))
     return _report("bench", request.url, [(f"c={r.concurrency}", r.summary) for r in runs], notes,
                    {"outdir": str(request.output), "runs": [r.summary for r in runs]})
 
@@ -127,17 +129,6 @@ def bench_compare(folders: list[Path]) -> Report:
         raise ToolkitError("bench compare needs run folders", hint="toolkit bench compare RUN1/c1 RUN2/c1")
     loaded_runs = [(str(f), load_summary(f)) for f in folders]
     return _report("bench compare", ", ".join(map(str, folders)), loaded_runs, [], {"runs": dict(loaded_runs)})
-
-
-@dataclass(frozen=True)
-class _Summary:
-    """A variant's run as `_run_notes` reads it."""
-
-    summary: dict[str, Any]
-
-    @property
-    def concurrency(self) -> Any:
-        return self.summary.get("concurrency")
 
 
 @dataclass(frozen=True)
@@ -207,8 +198,7 @@ def experiment(request: ExperimentRequest) -> Report:
         notes.append(f"{r.variant}: {r.status}: {r.detail}")
         if r.health:
             notes.append(f"{r.variant}: {r.health}")
-        notes += [f"{r.variant} {n}" for n in _run_notes([_Summary(x) for x in r.runs], monitor)
-                  if not n.startswith("devices not sampled")]
+        notes += [f"{r.variant} {n}" for n in _run_notes(r.runs)]
         if r.profile is not None:
             notes.append(f"{r.variant}: profiled run (not in the scores): "
                          + (r.profile.get("note") or f"table in {r.profile['table']}"))
