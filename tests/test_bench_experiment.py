@@ -117,7 +117,8 @@ USERLAND_TAG = "toolkit-test/userland:latest"
 
 
 def test_experiment_runs_each_variant_in_an_image_with_docker_run(cli: Any, cpu_env: tuple[Path, Path],
-                                                                   engine: Any, tmp_path: Path) -> None:
+                                                                   engine: Any, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """`--image`: the variant's exact argv in a container (host network, the model at /model), measured, its log
     kept, the container stopped and removed; a labelled container left running refuses the next start."""
     from toolkit.bench.serve import CONTAINER_LABEL
@@ -140,6 +141,15 @@ def test_experiment_runs_each_variant_in_an_image_with_docker_run(cli: Any, cpu_
     assert "Application startup complete" in (out / "base" / "server.log").read_text()  # the container's log, kept
     assert engine.containers.list(all=True, filters={"label": CONTAINER_LABEL}) == []
     assert stray_processes() == []
+    # a device tool that lists two cards: the kernel check runs in the image, whose torch sees none
+    plain_path = os.environ["PATH"]
+    monkeypatch.setenv("PATH", fake_tools.path_with(fake_tools.install(tmp_path / "bin", "nvidia-smi",
+                                                                       fake_tools.NVIDIA_IDLE)))
+    sick = cli("experiment", RECIPE, *args, "-o", tmp_path / "sick")
+    assert sick.code == 2 and "refusing to start variant base: nvidia-smi lists device(s) 0, 1 that the serving " \
+        "Python does not see (it ran on none)" in sick.err, sick.err
+    assert engine.containers.list(all=True, filters={"label": CONTAINER_LABEL}) == []  # the check's, removed
+    monkeypatch.setenv("PATH", plain_path)
     leftover = engine.containers.run(USERLAND_TAG, ["sleep", "120"], detach=True, labels={CONTAINER_LABEL: "decoy"},
                                      volumes={"/usr": {"bind": "/usr", "mode": "ro"}})
     try:

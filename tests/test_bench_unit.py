@@ -294,7 +294,7 @@ def test_monitor_finds_ixsmi_4s_power_field(tmp_path: Path, monkeypatch: pytest.
 ])
 def test_a_hanging_or_garbled_tool_is_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str,
                                              words: str) -> None:
-    from toolkit.bench.monitor import Monitor, health
+    from toolkit.bench.monitor import Monitor, health, local_check
 
     monkeypatch.setenv("PATH", fake_tools.path_with(fake_tools.install(tmp_path / "bin", "ixsmi", script)))
     started = time.monotonic()
@@ -303,7 +303,7 @@ def test_a_hanging_or_garbled_tool_is_a_note(tmp_path: Path, monkeypatch: pytest
     assert not monitor.available and words in str(monitor.note), monitor.note
     monitor.start()
     assert monitor.stop() == [] and monitor.summary() == {"tool": "ixsmi", "sampled": False, "note": monitor.note}
-    ok, found = health(monitor, [sys.executable])
+    ok, found = health(monitor, local_check([sys.executable]))
     assert ok and found.startswith("device health not checked"), found
 
 
@@ -322,18 +322,21 @@ def test_no_tool_and_none_say_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
      "device 1 did not run a 64-element kernel within 2 s"),
     ("print('ok 0'); print('devices 1')", False, "lists device(s) 1 that the serving Python does not see"),
     ("raise SystemExit('CUDA error: an illegal memory access')", False, "CUDA error: an illegal memory access"),
+    (None, False, "could not run"),  # the serving Python is not there
 ])
-def test_the_device_health_check_names_a_sick_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python: str,
+def test_the_device_health_check_names_a_sick_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     python: str | None,
                                                      ok: bool, words: str) -> None:
     """The serving Python is stood in by one that runs `python` instead of the kernel check."""
-    from toolkit.bench.monitor import Monitor, health
+    from toolkit.bench.monitor import Monitor, health, local_check
 
     monkeypatch.setenv("PATH", fake_tools.path_with(fake_tools.install(tmp_path / "bin", "nvidia-smi",
                                                                        fake_tools.NVIDIA)))
     stand_in = tmp_path / "python"
-    stand_in.write_text(f"#!{sys.executable}\n{python}\n")
-    stand_in.chmod(0o755)
-    got, found = health(Monitor.resolve("nvidia-smi"), [str(stand_in)], timeout_s=2)
+    if python is not None:
+        stand_in.write_text(f"#!{sys.executable}\n{python}\n")
+        stand_in.chmod(0o755)
+    got, found = health(Monitor.resolve("nvidia-smi"), local_check([str(stand_in)]), timeout_s=2)
     assert got is ok and words in found, found
 
 

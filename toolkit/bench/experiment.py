@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from toolkit.bench.client import Conversation, Settings
-from toolkit.bench.monitor import Monitor, health
+from toolkit.bench.monitor import Monitor, health, local_check
 from toolkit.bench.runner import bench, new_folder
 from toolkit.bench.serve import ContainerServer, Lifecycle, Server, leftovers
 from toolkit.errors import ToolkitError
@@ -131,16 +131,13 @@ def _refuse_leftovers(variant: str, options: Options) -> None:
                            hint="stop them (a leftover worker makes a configuration look impossible), then run again")
 
 
-def _check_devices(variant: str, options: Options) -> str:
-    """The device health check before a start: a sick device refuses it, named."""
+def _check_devices(variant: str, options: Options, server: Lifecycle) -> str:
+    """The device health check before a start, by the Python that will serve (here, or in the image): a sick
+    device refuses the start, named."""
     if not options.device_check:
         return "device health not checked: --no-device-check"
-    if options.image is not None:
-        listed = options.monitor.devices()
-        return (f"device health: {options.monitor.tool} answered for devices {listed}; the kernel check runs only "
-                "with a local --python (not inside --image)") if listed is not None else \
-            f"device health not checked: {options.monitor.note or 'no device tool'}"
-    ok, found = health(options.monitor, [str(options.python)], options.health_timeout_s)
+    check = server.kernel_check if isinstance(server, ContainerServer) else local_check([str(options.python)])
+    ok, found = health(options.monitor, check, options.health_timeout_s)
     if not ok:
         raise ToolkitError(f"refusing to start variant {variant}: {found}",
                            hint="take the card out of the visible devices (CUDA_VISIBLE_DEVICES, or the platform's "
@@ -162,10 +159,10 @@ def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: lis
             results.append(VariantRun(variant.name, "DROPPED", "; ".join(f"{e.rule}: {e.message}" for e in errors)))
             continue
         _refuse_leftovers(variant.name, options)
-        record = VariantRun(variant.name, "FAILED", "", health=_check_devices(variant.name, options))
-        results.append(record)
         folder = outdir / variant.name
         server, argv, env = _server(loaded, recipe, variant.name, folder, outdir, settings, options, {}, "server.log")
+        record = VariantRun(variant.name, "FAILED", "", health=_check_devices(variant.name, options, server))
+        results.append(record)
         try:
             server.start()
             record.ready_s = server.wait_ready(options.start_timeout_s)

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,33 +230,46 @@ KERNEL_CHECK = (
 )
 
 
-def health(monitor: Monitor, python: Sequence[str], timeout_s: float = 60.0,
-           env: dict[str, str] | None = None) -> tuple[bool, str]:
+# what runs the kernel check: (exit code, or None when it ran past the time limit; what it printed; its errors)
+Check = Callable[[float], tuple[int | None, str, str]]
+
+
+def local_check(python: Sequence[str], env: dict[str, str] | None = None) -> Check:
+    """The kernel check run by a Python on this machine."""
+
+    def run(timeout_s: float) -> tuple[int | None, str, str]:
+        try:
+            proc = subprocess.run([*python, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=timeout_s,
+                                  env=env if env is not None else dict(os.environ))
+        except subprocess.TimeoutExpired as exc:
+            partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            return None, partial, ""
+        except OSError as exc:
+            return 1, "", f"could not run {python[0]}: {exc}"
+        return proc.returncode, proc.stdout, proc.stderr
+
+    return run
+
+
+def health(monitor: Monitor, check: Check, timeout_s: float = 60.0) -> tuple[bool, str]:
     """Every device the tool lists must answer it and run a tiny kernel from the serving Python within the time
     limit (cards that the tool lists while every kernel on them times out exist on this platform). (ok, what
     was found); no tool: ok, not checked."""
     listed = monitor.devices()
     if listed is None:
         return True, f"device health not checked: {monitor.note or 'the device tool did not answer'}"
-    try:
-        proc = subprocess.run([*python, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=timeout_s,
-                              env=env if env is not None else dict(os.environ))
-    except subprocess.TimeoutExpired as exc:
-        partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        done = [line.split()[1] for line in partial.splitlines() if line.startswith("ok ")]
-        sick = [d for d in listed if str(d) not in done]
+    code, out, err = check(timeout_s)
+    ran = [line.split()[1] for line in out.splitlines() if line.startswith("ok ")]
+    if code is None:
+        sick = [d for d in listed if str(d) not in ran]
         return False, (f"device {sick[0] if sick else '?'} did not run a 64-element kernel within {timeout_s:.0f} s "
                        f"({monitor.tool} lists devices {', '.join(map(str, listed))}; answered: "
-                       f"{', '.join(done) or 'none'})")
-    except OSError as exc:
-        return False, f"the kernel check could not run {python[0]}: {exc}"
-    ran = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")]
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+                       f"{', '.join(ran) or 'none'})")
+    if code != 0:
+        tail = (err.strip().splitlines() or ["no output"])[-1][:200]
         return False, f"the kernel check failed after devices [{', '.join(ran)}]: {tail}"
     missing = [d for d in listed if str(d) not in ran]
     if missing:
         return False, (f"{monitor.tool} lists device(s) {', '.join(map(str, missing))} that the serving Python "
                        f"does not see (it ran on {', '.join(ran) or 'none'})")
     return True, f"{len(ran)} device(s) answered {monitor.tool} and ran a kernel"
-

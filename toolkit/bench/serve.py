@@ -202,21 +202,41 @@ class ContainerServer(Lifecycle):
     writable: list[str] = field(default_factory=list)  # HOST:CONTAINER the server writes into (profile records)
     container: Any = None
 
-    def start(self) -> None:
+    def _run(self, command: list[str]) -> Any:
         import docker
 
         from toolkit.submission.image import client
 
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         volumes = {str(self.model_dir): {"bind": "/model", "mode": "ro"}}
         for mount, mode in [*((m, "ro") for m in self.mounts), *((m, "rw") for m in self.writable)]:
             host, _, inside = mount.partition(":")
             volumes[host] = {"bind": inside or host, "mode": mode}
         requests = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if self.gpus else None
-        self.container = client().containers.run(
-            self.image, command=self.argv, environment=self.env, network_mode="host", ipc_mode="host",
+        return client().containers.run(
+            self.image, command=command, environment=self.env, network_mode="host", ipc_mode="host",
             volumes=volumes, devices=self.devices or None, device_requests=requests, detach=True,
             labels={CONTAINER_LABEL: self.url})
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.container = self._run(self.argv)
+
+    def kernel_check(self, timeout_s: float) -> tuple[int | None, str, str]:
+        """The device kernel check (toolkit.bench.monitor.KERNEL_CHECK) by the image's Python, in a container
+        configured as the server's will be (devices, GPUs, mounts); removed after."""
+        from toolkit.bench.monitor import KERNEL_CHECK
+
+        container = self._run([self.argv[0], "-c", KERNEL_CHECK])
+        try:
+            try:
+                code: int | None = int(container.wait(timeout=timeout_s).get("StatusCode", 1))
+            except Exception:  # the engine's wait timed out: the kernel did not finish
+                code = None
+            out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
+            err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
+        finally:
+            container.remove(force=True)
+        return code, out, err
 
     def exited(self) -> int | None:
         if self.container is None:
