@@ -182,7 +182,8 @@ def plot(buckets: dict[str, list[dict[str, Any]]], path: Path) -> str:
     fig, axes = plt.subplots(len(shown), 1, figsize=(10, 1.5 + 0.35 * sum(len(r) for r in shown.values())),
                              squeeze=False)
     for ax, (bucket, rows) in zip(axes[:, 0], shown.items(), strict=True):
-        names = ["  " * r["depth"] + r["region"].rsplit(".", 1)[-1] for r in rows]
+        # tick labels are right-aligned: leading spaces would not show the nesting, a marker per level does
+        names = ["· " * r["depth"] + r["region"].rsplit(".", 1)[-1] for r in rows]
         ax.barh(range(len(rows)), [r["total_ms"] for r in rows])
         ax.set_yticks(range(len(rows)), names, fontsize=8)
         ax.invert_yaxis()
