@@ -5,8 +5,7 @@ OFF:` around statements; `timed(name, fn)(args)` around a call), around a functi
 difference is the probe's own cost. Off, the decorator returns the function itself; the other two read a global.
 On, every call reads the clock twice and updates the table (TOOLKIT_PROFILE_SYNC is not measured: it waits for the
 device, which is the point of it). Then the whole-step view: the flagship's probes around one step at the real
-model's count of probed calls per decode step (40 layers: 40 decoder layers, 30 GatedDeltaNet + 30 norms, 40 MoE
-blocks x 4 regions, 10 paged attention, 5 runner phases).
+model's count of probed calls per decode step (the flagship's probes over 40 layers, below).
 
     python benchmarks/profile_cost.py
 """
@@ -26,7 +25,13 @@ sys.path.insert(0, str(ROOT / "patches" / "src"))
 from native_fastpaths import profiling as _toolkit_profile  # noqa: E402
 
 CALLS = 200_000
-PROBED_CALLS_PER_DECODE_STEP = 40 + 30 + 30 + 40 * 4 + 10 + 5
+PROBED_CALLS_PER_DECODE_STEP = (
+    5  # the step and its four phases
+    + 40 * 3  # every decoder layer, its input norm and its post-attention norm
+    + 30 * 2  # GatedDeltaNet and its gated norm, in 30 layers
+    + 10 * 10  # full attention, its 8 calls and the vendor backend, in 10 layers
+    + 40 * 7  # the MoE block, router, routed, the shared expert's 3 and the all-reduce, in 40 layers
+)
 
 
 def work(x: Any) -> Any:

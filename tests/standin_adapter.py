@@ -3,10 +3,12 @@
 The adapter is third-party code and never committed; the tests need one with its layout. This module writes
 one into a git repository: the same file names, folders and destinations (../shared/ADAPTER.md section 1), the
 same function and class names and signatures the recipe edits and dispatches into, and the anchors of each edit.
-Its qwen3_5.py is written in the adapter's plain style (per-expert loop, token-by-token recurrence) and imports
-only torch. Its nine whole-file replacements are derived from the public vLLM 0.6.3 files (the vendor's true
-base: six of the nine real ones are byte-identical to them) with the few changes listed in REPLACEMENTS; like
-the real adapter, some files are stored with CRLF line endings.
+Where the recipe probes calls ADAPTER.md does not list (the full-attention class's projections, norms, rope and
+attention; the shared expert; the decoder layer's norms), the stand-in has the call structure the adapter's public
+history shows in versions before and after the pin. Its qwen3_5.py is written in the adapter's plain style
+(per-expert loop, token-by-token recurrence) and imports only torch. Its nine whole-file replacements are derived
+from the public vLLM 0.6.3 files (the vendor's true base: six of the nine real ones are byte-identical to them) with
+the few changes listed in REPLACEMENTS; like the real adapter, some files are stored with CRLF line endings.
 """
 
 from __future__ import annotations
@@ -84,14 +86,21 @@ class Qwen3_5MoeSparseBlock(torch.nn.Module):
         self.top_k = top_k
         self.experts = _Experts(num_experts, hidden, inter)
         self.gate = torch.nn.Linear(hidden, num_experts, bias=False)
+        self.shared_expert_gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
+        self.shared_expert_down = torch.nn.Linear(inter, hidden, bias=False)
+        self.shared_expert_gate = torch.nn.Linear(hidden, 1, bias=False)
 
     def forward(self, hidden_states):
-        # as the adapter: the router, the routed experts (partial sums), then the TP all-reduce
-        router_logits = self.gate(hidden_states)
-        out = self._pure_pytorch_experts(hidden_states, router_logits)
+        # as the adapter (5a1c8c7's separate router and shared-expert gate): the router, the routed experts
+        # (partial sums), the shared expert with its sigmoid scalar gate, then one TP all-reduce
         from vllm.distributed import tensor_model_parallel_all_reduce
 
-        return tensor_model_parallel_all_reduce(out)  # vLLM's returns its input on one rank
+        router_logits = self.gate(hidden_states)
+        routed_out = self._pure_pytorch_experts(hidden_states, router_logits)
+        gate, up = self.shared_expert_gate_up(hidden_states).chunk(2, dim=-1)
+        shared_out = self.shared_expert_down(F.silu(gate) * up)
+        shared_out = shared_out * torch.sigmoid(self.shared_expert_gate(hidden_states))
+        return tensor_model_parallel_all_reduce(routed_out + shared_out)  # vLLM's returns its input on one rank
 
     def _pure_pytorch_experts(self, hidden_states, router_logits):
         probs = torch.softmax(router_logits.float(), dim=-1)
@@ -116,22 +125,50 @@ def _rms(x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-class _FullAttention(torch.nn.Module):
-    """Causal attention over vLLM's paged KV cache, in its layout (key [blocks, kv_heads, head_dim/x, block, x],
-    value [blocks, kv_heads, head_dim, block]); the cache is the one of the attention layers numbered attn_idx."""
+class _Norm(torch.nn.Module):
+    """RMSNorm without weights; forward_cuda as the adapter calls its q/k norms (GemmaRMSNorm in vLLM)."""
 
-    def __init__(self, hidden, heads, kv_heads, head_dim, attn_idx):
+    def forward(self, x, residual=None):
+        return _rms(x) if residual is None else (_rms(x + residual), x + residual)
+
+    def forward_cuda(self, x):
+        return _rms(x)
+
+
+class _Rotary(torch.nn.Module):
+    """Rotary position embedding on the first half of each head, by absolute position (as vLLM's get_rope)."""
+
+    def __init__(self, head_dim, base=10000.0):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.attn_idx = heads, kv_heads, head_dim, attn_idx
-        self.q_proj = torch.nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=False)
+        self.head_dim = head_dim
+        self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim // 2, 2).float() / (head_dim // 2))
 
-    def forward(self, x, kv_cache, attn_metadata, block_size):
-        tokens, kvh, dim = x.shape[0], self.kv_heads, self.head_dim
-        q = self.q_proj(x).view(tokens, self.heads, dim)
-        k, v = self.k_proj(x).view(tokens, kvh, dim), self.v_proj(x).view(tokens, kvh, dim)
+    def _rotate(self, x, positions):
+        tokens = x.shape[0]
+        x = x.view(tokens, -1, self.head_dim)
+        rot = self.head_dim // 2
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        x1, x2, rest = x[..., :rot // 2], x[..., rot // 2:rot], x[..., rot:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).reshape(tokens, -1)
+
+    def forward(self, positions, q, k):
+        return self._rotate(q, positions), self._rotate(k, positions)
+
+
+class _PagedAttention(torch.nn.Module):
+    """Causal attention over vLLM's paged KV cache, in its layout (key [blocks, kv_heads, head_dim/x, block, x],
+    value [blocks, kv_heads, head_dim, block]), called as vLLM's Attention layer is: (q, k, v, kv_cache,
+    attn_metadata)."""
+
+    def __init__(self, heads, kv_heads, head_dim, block_size):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.block_size = heads, kv_heads, head_dim, block_size
+
+    def forward(self, q, k, v, kv_cache, attn_metadata):
+        tokens, kvh, dim, block_size = q.shape[0], self.kv_heads, self.head_dim, self.block_size
+        q = q.view(tokens, self.heads, dim)
+        k, v = k.view(tokens, kvh, dim), v.view(tokens, kvh, dim)
         blocks, pack = kv_cache.shape[1], 16 // kv_cache.element_size()
         key_cache = kv_cache[0].view(blocks, kvh, dim // pack, block_size, pack)
         value_cache = kv_cache[1].view(blocks, kvh, dim, block_size)
@@ -156,7 +193,35 @@ class _FullAttention(torch.nn.Module):
             weights = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
             out.append(torch.einsum("hqk,khd->qhd", weights, values).reshape(query_len, -1))
             start += query_len
-        return self.o_proj(torch.cat(out))
+        return torch.cat(out)
+
+
+class Qwen3_5FullAttention(torch.nn.Module):
+    """The full-attention layer with the adapter family's call structure: q/k/v projections, per-head q/k norms
+    (forward_cuda), rotary embedding by position, vLLM-style attention over the paged cache, output projection;
+    its cache is the one of the full-attention layer numbered attn_idx."""
+
+    def __init__(self, hidden, heads, kv_heads, head_dim, attn_idx, block_size):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.attn_idx = heads, kv_heads, head_dim, attn_idx
+        self.q_proj = torch.nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm, self.k_norm = _Norm(), _Norm()
+        self.rotary_emb = _Rotary(head_dim)
+        self.attn = _PagedAttention(heads, kv_heads, head_dim, block_size)
+
+    def forward(self, positions, hidden_states, kv_cache, attn_metadata):
+        tokens = hidden_states.shape[0]
+        q = self.q_proj(hidden_states)
+        k = self.k_proj(hidden_states)
+        v = self.v_proj(hidden_states)
+        q = self.q_norm.forward_cuda(q.view(tokens, self.heads, self.head_dim)).view(tokens, -1)
+        k = self.k_norm.forward_cuda(k.view(tokens, self.kv_heads, self.head_dim)).view(tokens, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_out = self.attn(q, k, v, kv_cache, attn_metadata)
+        return self.o_proj(attn_out)
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -186,32 +251,40 @@ class GatedDeltaNet(torch.nn.Module):
 
 
 class Qwen3_5DecoderLayer(torch.nn.Module):
-    """One layer: full attention or GatedDeltaNet, then the MoE block when the text config is the MoE one (the
-    adapter picks it by text_config.model_type == 'qwen3_5_moe_text'), each as a pre-norm residual."""
+    """One layer as the adapter family writes it: input norm (fused with the residual after the first layer),
+    full attention or GatedDeltaNet, post-attention norm, then the MoE block when the text config is the MoE one
+    (the adapter picks it by text_config.model_type == 'qwen3_5_moe_text'); returns (hidden, residual)."""
 
-    def __init__(self, text, layer_type, attn_idx, linear_idx):
+    def __init__(self, text, layer_type, attn_idx, linear_idx, block_size):
         super().__init__()
         self.layer_type = layer_type
         hidden = text.hidden_size
+        self.input_layernorm, self.post_attention_layernorm = _Norm(), _Norm()
         if layer_type == "full_attention":
-            self.self_attn = _FullAttention(hidden, text.num_attention_heads, text.num_key_value_heads,
-                                            text.head_dim, attn_idx)
+            self.self_attn = Qwen3_5FullAttention(hidden, text.num_attention_heads, text.num_key_value_heads,
+                                                  text.head_dim, attn_idx, block_size)
         else:
             self.linear_attn = GatedDeltaNet(hidden)
             self.linear_idx = linear_idx
         moe = getattr(text, "model_type", "") == "qwen3_5_moe_text"
         self.mlp = Qwen3_5MoeSparseBlock(hidden=hidden) if moe else None
 
-    def forward(self, hidden_states, kv_caches, attn_metadata, block_size, conv_state, temporal_state):
-        h = hidden_states
-        if self.layer_type == "full_attention":
-            h = h + self.self_attn(_rms(h), kv_caches[self.self_attn.attn_idx], attn_metadata, block_size)
+    def forward(self, positions, hidden_states, kv_caches, attn_metadata, residual, conv_state, temporal_state):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
         else:
-            h = h + self.linear_attn(_rms(h), attn_metadata, conv_state[self.linear_idx],
-                                     temporal_state[self.linear_idx])
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.layer_type == "full_attention":
+            hidden_states = self.self_attn(positions, hidden_states, kv_caches[self.self_attn.attn_idx],
+                                           attn_metadata)
+        else:
+            hidden_states = self.linear_attn(hidden_states, attn_metadata, conv_state[self.linear_idx],
+                                             temporal_state[self.linear_idx])
         if self.mlp is not None:
-            h = h + self.mlp(_rms(h))
-        return h
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
 
 
 class Qwen3_5ForCausalLM(torch.nn.Module):
@@ -239,7 +312,7 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
         self.layers = torch.nn.ModuleList()
         attn_idx = linear_idx = 0
         for layer_type in text.layer_types:
-            self.layers.append(Qwen3_5DecoderLayer(text, layer_type, attn_idx, linear_idx))
+            self.layers.append(Qwen3_5DecoderLayer(text, layer_type, attn_idx, linear_idx, self.block_size))
             attn_idx += layer_type == "full_attention"
             linear_idx += layer_type != "full_attention"
         self.num_linear_layers = linear_idx
@@ -284,9 +357,10 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
                                                  (3, hidden), (hidden,))
         conv_state, temporal_state = self.mamba_cache.current_run_tensors(input_ids, attn_metadata, **kwargs)
         self._restore_gdn_prefix_state(attn_metadata, conv_state, temporal_state)
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h, kv_caches, attn_metadata, self.block_size, conv_state, temporal_state)
+            h, residual = layer(positions, h, kv_caches, attn_metadata, residual, conv_state, temporal_state)
+        h = h + residual
         self._save_gdn_prefix_state(attn_metadata, conv_state, temporal_state)
         return _rms(h)
 

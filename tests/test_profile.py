@@ -292,7 +292,7 @@ def test_profile_errors_name_the_file_and_line(cli, tmp_path: Path) -> None:
 CPU_UNREACHABLE = {
     # the stand-in adapter's full attention computes its own paged attention: the vendor backend's forward needs
     # the GPU ops (reshape_and_cache) that the CPU runtime lacks; it is applied and verified like the others
-    "step.model_forward.layer.paged_attention",
+    "step.model_forward.layer.attention.attn.backend",
 }
 
 
