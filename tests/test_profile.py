@@ -270,7 +270,11 @@ def test_profile_compare_and_plot(cli, tmp_path: Path) -> None:
         "step": 0.75, "step.sample": 1.0}
     pytest.importorskip("matplotlib", reason="the plot needs the plot extra")
     assert cli("profile", a, "--plot", tmp_path / "p.png").code == 0
-    assert (tmp_path / "p.png").stat().st_size > 1000
+    drawn = (tmp_path / "p.png").read_bytes()
+    assert len(drawn) > 1000
+    again = cli("profile", a, "--plot", tmp_path / "p.png")
+    assert again.code == 2 and "exists; nothing was written" in again.err
+    assert (tmp_path / "p.png").read_bytes() == drawn
 
 
 def test_profile_errors_name_the_file_and_line(cli, tmp_path: Path) -> None:

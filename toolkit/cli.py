@@ -401,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  toolkit profile /tmp/prof --plot profile.png            # needs the plot extra")
     p.add_argument("paths", nargs="+", metavar="DIR|FILE | compare A B",
                    help="TOOLKIT_PROFILE_DIR folders or profile-<pid>.jsonl files")
-    p.add_argument("--plot", metavar="PNG", help="also draw the totals per bucket (matplotlib: the plot extra)")
+    p.add_argument("--plot", metavar="PNG", help="also draw the totals per bucket into this new file (matplotlib: the "
+                   "plot extra; an existing file is refused, never replaced)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_profile)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.bench.profile import COLUMNS, Process, load, plot, rows_of, tables
+from toolkit.errors import ToolkitError
 from toolkit.results import Report
 
 
@@ -41,6 +42,9 @@ def profile(request: ProfileRequest) -> Report:
     buckets = tables(processes)
     notes = _notes(processes)
     if request.plot is not None:
+        if request.plot.exists():
+            raise ToolkitError(f"--plot {request.plot} exists; nothing was written",
+                               hint="give a new file (a profile plot never replaces one)")
         notes.append(plot(buckets, request.plot))
     json_buckets = {b: [{k: v for k, v in r.items() if k != "depth"} for r in rows] for b, rows in buckets.items()}
     return Report("profile", ", ".join(map(str, request.paths)), columns=COLUMNS, rows=tuple(rows_of(buckets)),
