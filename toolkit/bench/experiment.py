@@ -4,6 +4,7 @@ measured with `toolkit bench`, archived and stopped; nothing is started beside a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -211,8 +212,7 @@ def _profiled_run(loaded: LoadedRecipe, recipe: Any, variant: str, folder: Path,
     extra = {**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": "/toolkit-profile" if options.image else str(raw)}
     image = options.image
     if image is not None:  # the records are written inside the container: bind the folder there
-        options = Options(**{**options.__dict__, "image": InImage(image.tag, image.mounts, image.devices, image.gpus,
-                                                                  [f"{raw}:/toolkit-profile"])})
+        options = dataclasses.replace(options, image=dataclasses.replace(image, writable=[f"{raw}:/toolkit-profile"]))
     server, _, _ = _server(loaded, recipe, variant, where, outdir, settings, options, extra, "server.log")
     out: dict[str, Any] = {"folder": str(where), "env": extra, "requests": options.profile_requests}
     try:

@@ -32,7 +32,7 @@ from pydantic import Field, field_validator, model_validator
 
 from toolkit.fields import PyBlock, PyExpr, Strict
 from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
-from toolkit.transforms.cstutil import canonical, code_of, replace_nodes, walk_scope
+from toolkit.transforms.cstutil import canonical, canonical_block, code_of, replace_nodes, walk_scope
 from toolkit.transforms.statements import canonical_statements, docstring_end, parse_block, suites
 
 REGION_PATTERN = r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*$"
@@ -105,16 +105,18 @@ class ProbeKind:
         self.run = canonical_statements(parse_block(spec.statements)) if spec.statements is not None else None
         self.importing = cst.parse_statement(f"import {spec.runtime} as {ALIAS}\n")
         assert isinstance(self.importing, cst.SimpleStatementLine)
-        self.import_key = canonical_stmt(self.importing)
+        self.import_key = canonical_block([self.importing])
 
     # -- what the post-state looks like -------------------------------------------------------------------
-    def _rule_args(self) -> str:
+    def _rule_args(self, tokens_by_name: bool = False) -> str:
+        """The bucket rule as call arguments; a decorator names its token source (`tokens="x"`), the other shapes
+        pass the value."""
         b = self.spec.bucket
         if b is None:
             return ""
         if b.name is not None:
             return f", bucket={b.name!r}"
-        out = f", {b.tokens}"
+        out = f", tokens={b.tokens!r}" if tokens_by_name else f", {b.tokens}"
         if b.edges is not None:
             out += ", buckets=(" + ", ".join(f"({k!r}, {v!r})" for k, v in b.edges.items()) + ",)"
         return out
@@ -129,11 +131,7 @@ class ProbeKind:
         return canonical(f"{self._region_call()} if {ALIAS}.ON else {ALIAS}.OFF")
 
     def _decorator(self) -> str:
-        b = self.spec.bucket
-        rule = self._rule_args()
-        if b is not None and b.tokens is not None:
-            rule = rule.replace(f", {b.tokens}", f", tokens={b.tokens!r}", 1)
-        return f"{ALIAS}.probe({self.spec.region!r}{rule})"
+        return f"{ALIAS}.probe({self.spec.region!r}{self._rule_args(tokens_by_name=True)})"
 
     def timed_func(self) -> str:
         return f"{ALIAS}.timed({self.spec.region!r}, {self.spec.calls}{self._rule_args()})"
@@ -147,7 +145,7 @@ class ProbeKind:
             return False
 
     def _imported(self, module: cst.Module) -> bool:
-        return any(canonical_stmt(s) == self.import_key for s in module.body
+        return any(canonical_block([s]) == self.import_key for s in module.body
                    if isinstance(s, cst.SimpleStatementLine))
 
     def _expected(self) -> str:
@@ -305,10 +303,6 @@ class _TimeCalls(cst.CSTTransformer):
         if self.depth == 1 and self.kind.is_callee(original.func):
             return updated.with_changes(func=cst.parse_expression(self.kind.timed_func()))
         return updated
-
-
-def canonical_stmt(stmt: cst.BaseStatement) -> str:
-    return ast.dump(ast.parse(code_of(stmt)))
 
 
 def _generator(fn: cst.FunctionDef) -> bool:
