@@ -277,6 +277,25 @@ def test_profile_compare_and_plot(cli, tmp_path: Path) -> None:
     assert (tmp_path / "p.png").read_bytes() == drawn
 
 
+def test_a_summary_cut_off_by_a_kill_is_not_taken_for_the_total(on: Path, cli) -> None:
+    """A worker killed while it appends summary 2 leaves some of its lines: the complete summary 1 stands."""
+    with profiling.region("step", 1), profiling.region("step.forward"):
+        pass
+    path = Path(profiling.write_summary(final=False) or "")
+    with profiling.region("step", 1), profiling.region("step.forward"):
+        pass
+    complete = path.read_text()
+    profiling.write_summary(final=True)
+    second = path.read_text()[len(complete):].splitlines()
+    assert len(second) == 2
+    path.write_text(complete + second[0] + "\n" + second[1][:25])  # one line of summary 2 whole, one cut
+    result = cli("profile", on, "--json")
+    assert result.code == 0, result.err
+    assert [(r["region"], r["calls"]) for r in result.json()["buckets"]["decode"]] == [("step", 1),
+                                                                                      ("step.forward", 1)]
+    assert any("no final summary" in n for n in result.json()["notes"])
+
+
 def test_profile_errors_name_the_file_and_line(cli, tmp_path: Path) -> None:
     assert cli("profile", tmp_path / "missing").code == 2
     empty = cli("profile", tmp_path)

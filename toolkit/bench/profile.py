@@ -47,9 +47,17 @@ def _files(paths: list[Path]) -> list[Path]:
 
 
 def read_process(path: Path) -> Process:
-    """The last summary in one process's file (summaries are cumulative)."""
-    last: dict[int, list[dict[str, Any]]] = {}
+    """The last whole summary in one process's file (summaries are cumulative; one cut off by a kill, fewer lines
+    than its `lines` says, is skipped). Files without `lines` (written by hand) take each summary as whole."""
+    whole: list[dict[str, Any]] = []
+    current: list[dict[str, Any]] = []
     lines = path.read_text(encoding="utf-8").splitlines()
+
+    def close() -> None:
+        nonlocal whole
+        if current and len(current) >= int(current[0].get("lines", len(current))):
+            whole = current
+
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -57,17 +65,21 @@ def read_process(path: Path) -> Process:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == len(lines):
-                continue  # a process killed while it wrote: its previous summary stands
+                continue  # a process killed while it wrote: its last whole summary stands
             raise ToolkitError(f"{path}:{number}: not a profile record ({exc.msg})") from None
         if not isinstance(record, dict) or "summary" not in record:
             raise ToolkitError(f"{path}:{number}: not a profile record (no `summary`)",
                                hint="give files written by TOOLKIT_PROFILE=1")
-        last.setdefault(int(record["summary"]), []).append(record)
-    if not last:
-        raise ToolkitError(f"{path}: no profile record in it")
-    records = last[max(last)]
+        if current and record["summary"] != current[0]["summary"]:
+            close()
+            current = []
+        current.append(record)
+    close()
+    if not whole:
+        raise ToolkitError(f"{path}: no whole profile summary in it")
+    records = whole
     head = records[0]
-    process = Process(str(path), head.get("pid"), head.get("rank"), max(last), bool(head.get("final")),
+    process = Process(str(path), head.get("pid"), head.get("rank"), int(head["summary"]), bool(head.get("final")),
                       bool(head.get("sync")))
     for r in records:
         if "note" in r:

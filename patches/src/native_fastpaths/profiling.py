@@ -280,7 +280,9 @@ def write_summary(final: bool) -> str | None:
         return None
     _summaries += 1
     pid, rank = os.getpid(), _rank()
-    head = {"pid": pid, "rank": rank, "summary": _summaries, "final": final, "sync": SYNC, "unix": time.time()}
+    # every line says how many lines its summary has: a reader knows a summary cut off by a kill from a whole one
+    head = {"pid": pid, "rank": rank, "summary": _summaries, "lines": len(_stats) + len(_notes), "final": final,
+            "sync": SYNC, "unix": time.time()}
     lines = [json.dumps({**head, "bucket": bucket, "region": name, "calls": calls, "total_ns": total,
                          "max_ns": longest}, sort_keys=True)
              for (bucket, name), (calls, total, longest) in sorted(_stats.items())]
