@@ -2,16 +2,52 @@
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
+import platform
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from toolkit.errors import InputError
 from toolkit.inputs import COMPLETE, cache_dir, cached_tree
 
 TORCH = "torch==2.13.0"  # the CPU wheel this machine's pip finds; a plain `torch` pulls a CUDA build
+
+# Python puts a script's own folder (or, for -c, the working directory) first on sys.path, so a sibling named like
+# a standard-library module (toolkit/bench/profile.py, imported by cProfile while torch loads) shadows it. Every
+# script the toolkit runs in another Python starts through this bootstrap instead: that entry is dropped before
+# the script runs. Not -I (it ignores PYTHONPATH, which the runtime's stand-ins and trees need) and not -P
+# (Python 3.11+; the runtime may be 3.10).
+ISOLATE = ("import runpy, sys\n"
+           "if not getattr(sys.flags, 'safe_path', False):\n"
+           "    del sys.path[0]\n")
+_RUN_SCRIPT = ISOLATE + "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+
+
+def script(python: Path | str, path: Path, *args: str) -> list[str]:
+    """The argv that runs `python path args...` with nothing beside `path` shadowing a module it imports."""
+    return [str(python), "-c", _RUN_SCRIPT, str(path), *args]
+
+
+def code(python: Path | str, source: str, *args: str) -> list[str]:
+    """The argv that runs `python -c source args...` with nothing in the working directory shadowing a module."""
+    return [str(python), "-c", ISOLATE + source, *args]
+
+
+def build_key(*parts: object, builders: Sequence[Callable[..., object]] = (), files: Sequence[Path] = ()) -> str:
+    """What decides a cached artefact's content, hashed: the pins and settings (parts), the builder functions'
+    own source, the builder files' bytes, and the interpreter that builds it; any change builds it again."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([list(map(str, parts)), sys.version, platform.machine(),
+                              sys.implementation.cache_tag]).encode())
+    for builder in builders:
+        digest.update(inspect.getsource(builder).encode())
+    for file in files:
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def pip(python: Path, *args: str) -> None:
@@ -28,11 +64,19 @@ def python_tag() -> str:
     return f"py{sys.version_info[0]}.{sys.version_info[1]}"
 
 
-def venv(kind: str, name: str, fill: Callable[[Path, Path, Callable[[str], None]], None], about: str) -> Path:
-    """The Python of a cached environment `kind/name` (name says the Python too, see python_tag), made once: a venv
-    that `fill(python, scratch, say)` installs into, saying what it installs while it does (about: how long and how
-    big, for the first message)."""
-    target = cache_dir() / kind / name
+Fill = Callable[[Path, Path, Callable[[str], None]], None]
+
+
+def _target(kind: str, name: str, fill: Fill, pins: Sequence[str]) -> Path:
+    return cache_dir() / kind / f"{name}-{python_tag()}-{build_key(*pins, builders=[fill])}"
+
+
+def venv(kind: str, name: str, fill: Fill, about: str, pins: Sequence[str]) -> Path:
+    """The Python of a cached environment `kind/name-<python>-<key>`, made once: a venv that
+    `fill(python, scratch, say)` installs into, saying what it installs while it does (about: how long and how big,
+    for the first message). The key is the pins, fill's own source and the interpreter (build_key): a change to
+    any of them builds a new environment."""
+    target = _target(kind, name, fill, pins)
 
     def say(text: str) -> None:
         print(f"[{kind}] {text}", file=sys.stderr, flush=True)
@@ -45,9 +89,9 @@ def venv(kind: str, name: str, fill: Callable[[Path, Path, Callable[[str], None]
     return cached_tree(target, build) / "bin" / "python"
 
 
-def cached_python(kind: str, name: str) -> Path | None:
+def cached_python(kind: str, name: str, fill: Fill, pins: Sequence[str]) -> Path | None:
     """The environment's Python when it is already built (None: building it is the caller's decision)."""
-    target = cache_dir() / kind / name
+    target = _target(kind, name, fill, pins)
     return target / "bin" / "python" if (target / COMPLETE).exists() else None
 
 
@@ -55,9 +99,9 @@ def importable(python: Path, modules: list[str]) -> dict[str, bool]:
     """Whether each top-level module can be found by that Python (with importlib.util.find_spec: nothing runs)."""
     if not modules:
         return {}
-    code = ("import importlib.util, json, sys; "
-            "print(json.dumps({m: importlib.util.find_spec(m) is not None for m in sys.argv[1:]}))")
-    proc = subprocess.run([str(python), "-c", code, *modules], capture_output=True, text=True,
+    find = ("import importlib.util, json, sys\n"
+            "print(json.dumps({m: importlib.util.find_spec(m) is not None for m in sys.argv[1:]}))\n")
+    proc = subprocess.run(code(python, find, *modules), capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin"})
     found = json.loads(proc.stdout) if proc.returncode == 0 and proc.stdout.strip() else {}
     return {m: bool(found.get(m)) for m in modules}

@@ -9,16 +9,16 @@ not tried here; the in-image step tries them, and the report says so.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from toolkit import corexlike
 from toolkit.corexlike import VENDOR_EDITS, make_rootfs
 from toolkit.engine.plan import Engine, run_packages
 from toolkit.inputs import cache_dir, cached_tree, fetch_reference, package_roots, reference_root, rootfs_roots
+from toolkit.pyenv import build_key
 from toolkit.recipe import LoadedRecipe, Recipe
 from toolkit.results import Result, State
 from toolkit.transforms.base import ModuleEdit
@@ -47,8 +47,9 @@ def reference_rootfs(recipe: Recipe) -> tuple[Path, bool]:
     """The CoreX-like image filesystem of the recipe's reference release (cached) and whether it is CoreX-like."""
     base = recipe.base_image
     spec = recipe.vendor.reference
-    key = hashlib.sha256(json.dumps([spec, base.python, base.platform, recipe.vendor.roots, VENDOR_EDITS])
-                         .encode()).hexdigest()[:16]
+    # the layout's builder is part of the key: a change to corexlike.py lays the tree out again
+    key = build_key(spec, base.python, base.platform, recipe.vendor.roots, VENDOR_EDITS,
+                    files=[Path(corexlike.__file__)])
     target = cache_dir() / "trial" / f"{recipe.vendor.reference_name}-{recipe.vendor.reference_version}-{key}"
 
     def build(tree: Path, scratch: Path) -> None:

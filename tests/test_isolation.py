@@ -1,0 +1,114 @@
+"""Scripts the toolkit runs in another Python are isolated from their own folder, and its caches know what built
+them (issue: a fresh machine could not build the tiny model because toolkit/bench/profile.py shadowed the standard
+library's `profile`, which cProfile imports while torch loads; a warm cache hid it)."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit import pyenv
+from toolkit.bench import cpu_server
+from toolkit.runtime import env as runtime_env
+from toolkit.runtime.preflight import STAGES
+
+# every script the toolkit runs by path in another Python
+SCRIPTS = (cpu_server.TINY_MODEL_SCRIPT, STAGES)
+ALWAYS_PLANTED = ("profile", "queue")  # the name that broke, and one more that torch and vLLM import
+
+
+def _top_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names - {"__future__"}
+
+
+def _plant(folder: Path, names: set[str]) -> None:
+    for name in names:
+        (folder / f"{name}.py").write_text(f"raise ImportError('shadowed: {name}')\n")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_siblings_cannot_shadow_the_standard_library(script: Path, tmp_path: Path) -> None:
+    """The script beside modules named like every standard-library module it imports (and profile, queue): run
+    as the toolkit runs it, none of them is imported. The plain `python script.py` is the control: there they are."""
+    copy = tmp_path / script.name
+    shutil.copy(script, copy)
+    stdlib = {n for n in _top_imports(script) if n in sys.stdlib_module_names}
+    _plant(tmp_path, stdlib | set(ALWAYS_PLANTED))
+    plain = subprocess.run([sys.executable, str(copy)], capture_output=True, text=True, input="", timeout=120)
+    assert "shadowed:" in plain.stderr, "the control did not meet a planted module: the test plants nothing real"
+    isolated = subprocess.run(pyenv.script(sys.executable, copy), capture_output=True, text=True, input="",
+                              timeout=120)
+    assert "shadowed:" not in isolated.stderr, isolated.stderr[-2000:]
+
+
+def test_isolated_code_ignores_the_working_directory(tmp_path: Path) -> None:
+    _plant(tmp_path, {"queue", "profile"})
+    source = "import cProfile, queue, sys\nprint(queue.__file__, cProfile.__file__, sys.argv[1:])\n"
+    plain = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, capture_output=True, text=True)
+    assert "shadowed:" in plain.stderr
+    proc = subprocess.run(pyenv.code(sys.executable, source, "a", "b"), cwd=tmp_path, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    queue_file, profile_file, args = proc.stdout.split(" ", 2)
+    assert tmp_path not in (Path(queue_file).parent, Path(profile_file).parent) and args.strip() == "['a', 'b']"
+
+
+def test_script_gets_its_arguments_and_exit_code(tmp_path: Path) -> None:
+    """The bootstrap is invisible to the script: argv[0] is the script, __file__ is set, the exit code passes."""
+    child = tmp_path / "child.py"
+    child.write_text("import sys\nprint(sys.argv, __file__ == sys.argv[0], __name__)\nsys.exit(3)\n")
+    proc = subprocess.run(pyenv.script(sys.executable, child, "x", "--y"), capture_output=True, text=True)
+    assert proc.returncode == 3
+    assert proc.stdout.strip() == f"[{str(child)!r}, 'x', '--y'] True __main__"
+
+
+def test_build_key_sees_builders_files_pins(tmp_path: Path) -> None:
+    builder = tmp_path / "builder.py"
+    builder.write_text("one\n")
+    base = pyenv.build_key("pin==1", files=[builder])
+    assert pyenv.build_key("pin==1", files=[builder]) == base
+    assert pyenv.build_key("pin==2", files=[builder]) != base
+    builder.write_text("two\n")
+    assert pyenv.build_key("pin==1", files=[builder]) != base
+
+    def fill_a() -> None:
+        pass
+
+    def fill_b() -> None:
+        print()
+
+    assert pyenv.build_key(builders=[fill_a]) != pyenv.build_key(builders=[fill_b])
+
+
+def test_environment_folders_are_keyed_by_how_they_are_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime's folder name changes with its pins and with its fill's source; a folder built by an older
+    way is not found (built() is None)."""
+    monkeypatch.setenv("TOOLKIT_CACHE_DIR", str(tmp_path))
+    before = runtime_env.built()
+    assert before is None
+    target = pyenv._target(runtime_env.KIND, runtime_env.NAME, runtime_env._fill, runtime_env.PINS)
+    (target / "bin").mkdir(parents=True)
+    (target / ".complete").write_text("ok\n")
+    assert runtime_env.built() == target / "bin" / "python"
+    monkeypatch.setattr(runtime_env, "PINS", (*runtime_env.PINS, "numpy<1.0"))
+    assert runtime_env.built() is None
+
+
+def test_tiny_model_builds_from_nothing(tmp_path: Path) -> None:
+    """The tiny model built into a fresh folder with the CPU server's Python, every run (seconds), so a broken
+    builder cannot hide behind a cached model."""
+    python = cpu_server.environment()
+    out = tmp_path / "tiny"
+    cpu_server.build_tiny_model(python, out)
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
