@@ -180,3 +180,16 @@ def engine() -> Any:
             pytest.fail(reason + " (TOOLKIT_REQUIRE_DOCKER=1: CI must have an engine)")
         pytest.skip(reason)
     return client
+
+
+def switch_package(patches: Path, package: str, flags: dict[str, str]) -> Path:
+    """A patches package that can be dispatched into: the toolkit's strict switch reader beside a table listing
+    `flags` (name -> default) as dispatch flags."""
+    folder = patches / package
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__init__.py").touch()
+    shutil.copy(REPO / "patches" / "src" / "native_fastpaths" / "switches.py", folder / "switches.py")
+    (folder / "switches.json").write_text(json.dumps(
+        {name: {"default": default, "kind": "dispatch", "type": "flag", "selects": "a test's fast path"}
+         for name, default in flags.items()}))
+    return folder

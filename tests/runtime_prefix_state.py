@@ -7,7 +7,8 @@ engine loop as LLMEngine's: vLLM's Scheduler with its prefix-caching block manag
 CacheEngine, GatedDeltaNet state in vLLM's MambaCacheManager, the adapter's own prefix LRU). Each case runs twice,
 prefix caching on and off, and the later request's greedy tokens and logits are compared. Prints one JSON object.
 
-argv: [cases...] (default: all), or `workload` for the conversation workload's hit rates.
+argv: [cases...] (default: all), `workload` for the conversation workload's hit rates, or `stale` for a
+request restored from another request's state after block reuse, in the four configurations.
 """
 
 import json
@@ -61,7 +62,7 @@ class Engine:
             prefix_state.STORE.states.clear()  # a fresh server holds no checkpoint
         except ImportError:
             pass
-        self.groups, self.logits, self.next_seq = {}, {}, 0
+        self.groups, self.logits, self.tables, self.next_seq = {}, {}, {}, 0
         self._rows = []
         compute_logits = self.runner.model.compute_logits
 
@@ -90,6 +91,9 @@ class Engine:
         metas, outputs, _ = self.scheduler.schedule()
         if not outputs.scheduled_seq_groups:
             return False
+        for scheduled in outputs.scheduled_seq_groups:  # the physical blocks each request holds now
+            group = scheduled.seq_group
+            self.tables[group.request_id] = list(self.scheduler.block_manager.get_block_table(group.seqs[0]))
         finished = self.scheduler.get_and_reset_finished_requests_ids()
         model_input = self.runner.prepare_model_input(metas, 0, finished)
         self._rows = [m.request_id for m in metas if m.do_sample for _ in m.seq_data]
@@ -247,6 +251,48 @@ def case(folder, name):
             "checkpoint_bytes": held[True]}
 
 
+Y_PROMPT = prompt(11, 40)
+X_PROMPT = Y_PROMPT[:16] + prompt(13, 44)  # X's first block is Y's (so the prefix cache hands X that very block)
+STALE_POOL, STALE_BUDGET = 5, 48
+
+
+def stale_scenario(engine):
+    """(2) Y (40 tokens) prefills alone and finishes: the adapter saves Y's state under Y's first two block ids.
+    E decodes while Z (32 tokens) prefills beside it and finishes, taking the free blocks (so the next request gets
+    Y's) and turning Y's two ids around in the free list again; X (60 tokens) starts while E still decodes, so its
+    first chunk (47 tokens) shares a step with E (the adapter saves nothing for X) and gets Y's blocks, in Y's
+    order. E finishes with that step: X's second chunk runs alone at context 47 and looks up its first two ids."""
+    engine.add("Y", Y_PROMPT, 1)
+    engine.run()
+    engine.add("E", prompt(12, 8), 3)
+    engine.run(until=lambda: engine.decoding("E"))
+    engine.add("Z", prompt(14, 32), 1)
+    engine.run(until=lambda: engine.groups["Z"].is_finished())
+    engine.add("X", X_PROMPT, 6)
+    engine.run()
+
+
+def stale(folder):
+    """Case (2) in the four configurations (prefix caching on/off, PREFIX_STATE 1/0), each against a fresh run of
+    X alone with the same configuration (a cache-on/off comparison cannot see it: the block reuse happens in both).
+    `reused` says the arrangement happened: X's first two blocks are Y's, in Y's order."""
+    out = {}
+    for switch in ("1", "0"):
+        os.environ["PREFIX_STATE"] = switch
+        os.environ["PREFIX_STATE_INTERVAL"] = "4096"
+        for caching in (True, False):
+            engine = Engine(folder, caching, blocks=STALE_POOL, budget=STALE_BUDGET)
+            stale_scenario(engine)
+            alone = Engine(folder, caching, blocks=STALE_POOL, budget=STALE_BUDGET)
+            alone.add("X", X_PROMPT, 6)
+            alone.run()
+            diff = max(float((a - b).abs().max()) for a, b in zip(engine.logits["X"], alone.logits["X"], strict=True))
+            out[f"caching-{'on' if caching else 'off'}-switch-{switch}"] = {
+                "reused": engine.tables["X"][:2] == engine.tables["Y"][:2], "tables": engine.tables,
+                "tokens": engine.tokens("X"), "tokens_alone": alone.tokens("X"), "max_abs_logit_diff": diff}
+    return out
+
+
 def store_bytes():
     try:
         from native_fastpaths import prefix_state
@@ -261,6 +307,9 @@ def main():
     folder = checkpoint()
     if sys.argv[1:] == ["workload"]:
         json.dump(workload(folder), sys.__stdout__)
+        return
+    if sys.argv[1:] == ["stale"]:
+        json.dump(stale(folder), sys.__stdout__)
         return
     names = sys.argv[1:] or list(CASES)
     json.dump({name: case(folder, name) for name in names}, sys.__stdout__)

@@ -26,6 +26,9 @@ import collections
 
 import torch
 import torch.nn.functional as F
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def _l2norm(x, eps=1e-6):
@@ -297,10 +300,11 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
     sequence, the states after the step's last token are kept (on CPU, an LRU of 16) under the tuple of the physical
     ids of all complete blocks so far ((context_len + query_len) // block_size); at a prefill step with one sequence
     and context_len > 0, the tuple of the first context_len // block_size ids is looked up and, when present, copied
-    into the sequence's slot; otherwise the slot keeps what it has (zeroed when the request took it)."""
+    into the sequence's slot; otherwise the slot keeps what it has (zeroed when the request took it). Written inline
+    in forward, in the statements the adapter's own forward has (`_is_single_seq_prefill`, `self._gdn_prefix_cache`):
+    the flagship's transforms that take it out anchor on them."""
 
     has_inner_state = True
-    PREFIX_LRU = 16
 
     def __init__(self, config, cache_config=None, quant_config=None, scheduler_config=None, **kwargs):
         super().__init__()
@@ -318,35 +322,9 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
         self.num_linear_layers = linear_idx
         self.lm_head = torch.nn.Linear(hidden, text.vocab_size, bias=False)
         self.mamba_cache = None
-        self._gdn_prefix_states = collections.OrderedDict()
-
-    def _gdn_prefix_key(self, attn_metadata, tokens):
-        table = attn_metadata.block_tables[0]
-        blocks = tokens // self.block_size
-        return tuple(table[:blocks].tolist()) if 0 < blocks <= table.numel() else None
-
-    def _single_prefill(self, attn_metadata):
-        return attn_metadata.num_prefills == 1 and len(attn_metadata.seq_lens) == 1
-
-    def _restore_gdn_prefix_state(self, attn_metadata, conv_state, temporal_state):
-        if not self._single_prefill(attn_metadata):
-            return
-        key = self._gdn_prefix_key(attn_metadata, int(attn_metadata.context_lens_tensor[0]))
-        if key is not None and key in self._gdn_prefix_states:
-            conv, temporal = self._gdn_prefix_states[key]
-            conv_state[:, 0].copy_(conv)
-            temporal_state[:, 0].copy_(temporal)
-
-    def _save_gdn_prefix_state(self, attn_metadata, conv_state, temporal_state):
-        if not self._single_prefill(attn_metadata):
-            return
-        key = self._gdn_prefix_key(attn_metadata, int(attn_metadata.seq_lens[0]))
-        if key is not None:
-            self._gdn_prefix_states[key] = (conv_state[:, 0].to("cpu", copy=True),
-                                            temporal_state[:, 0].to("cpu", copy=True))
-            self._gdn_prefix_states.move_to_end(key)
-            while len(self._gdn_prefix_states) > self.PREFIX_LRU:
-                self._gdn_prefix_states.popitem(last=False)
+        self._gdn_prefix_cache = collections.OrderedDict()
+        self._gdn_prefix_cache_max = 16
+        self._block_size = self.block_size
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate_tensors=None, **kwargs):
         from vllm.model_executor.models.mamba_cache import MambaCacheManager
@@ -355,14 +333,45 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
         if self.mamba_cache is None:
             self.mamba_cache = MambaCacheManager(torch.float32, self.num_linear_layers, self.max_batch,
                                                  (3, hidden), (hidden,))
-        conv_state, temporal_state = self.mamba_cache.current_run_tensors(input_ids, attn_metadata, **kwargs)
-        self._restore_gdn_prefix_state(attn_metadata, conv_state, temporal_state)
+        conv_states, temporal_states = self.mamba_cache.current_run_tensors(input_ids, attn_metadata, **kwargs)
+        # the pinned adapter's block-id restore and save, inline in its forward as there (same statements)
+        _is_single_seq_prefill = (
+            attn_metadata is not None and attn_metadata.num_prefill_tokens > 0 and conv_states.shape[1] == 1
+            and getattr(attn_metadata, 'context_lens_tensor', None) is not None
+            and getattr(attn_metadata, 'block_tables', None) is not None and attn_metadata.block_tables.numel() > 0
+        )
+        if _is_single_seq_prefill:
+            context_len = int(attn_metadata.context_lens_tensor[0].item())
+            if context_len > 0:
+                num_prefix_blocks = context_len // self._block_size
+                if num_prefix_blocks > 0 and attn_metadata.block_tables.shape[1] >= num_prefix_blocks:
+                    lookup_key = tuple(attn_metadata.block_tables[0, :num_prefix_blocks].cpu().tolist())
+                    if lookup_key in self._gdn_prefix_cache:
+                        saved_conv, saved_temporal = self._gdn_prefix_cache[lookup_key]
+                        conv_states[:, 0].copy_(saved_conv.to(conv_states.device), non_blocking=True)
+                        temporal_states[:, 0].copy_(saved_temporal.to(temporal_states.device), non_blocking=True)
+                        self._gdn_prefix_cache.move_to_end(lookup_key)
+                        logger.debug("GDN prefix cache hit: prefix_len=%d blocks=%d", context_len, num_prefix_blocks)
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h, residual = layer(positions, h, kv_caches, attn_metadata, residual, conv_state, temporal_state)
-        h = h + residual
-        self._save_gdn_prefix_state(attn_metadata, conv_state, temporal_state)
-        return _rms(h)
+            h, residual = layer(positions, h, kv_caches, attn_metadata, residual, conv_states, temporal_states)
+        hidden_states = _rms(h + residual)
+        if _is_single_seq_prefill:
+            context_len = int(attn_metadata.context_lens_tensor[0].item())
+            query_len = attn_metadata.num_prefill_tokens
+            total_processed = context_len + query_len
+            num_complete_blocks = total_processed // self._block_size
+            if num_complete_blocks > 0 and attn_metadata.block_tables.shape[1] >= num_complete_blocks:
+                save_key = tuple(attn_metadata.block_tables[0, :num_complete_blocks].cpu().tolist())
+                if save_key in self._gdn_prefix_cache:
+                    self._gdn_prefix_cache.move_to_end(save_key)
+                self._gdn_prefix_cache[save_key] = (
+                    conv_states[:, 0].cpu().clone(),
+                    temporal_states[:, 0].cpu().clone(),
+                )
+                while len(self._gdn_prefix_cache) > self._gdn_prefix_cache_max:
+                    self._gdn_prefix_cache.popitem(last=False)
+        return hidden_states
 
     def compute_logits(self, hidden_states, sampling_metadata=None):
         if sampling_metadata is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import FLAGSHIP, tree_digest
+from conftest import FLAGSHIP, switch_package, tree_digest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -190,6 +190,7 @@ def test_apply_on_fuzzed_vendor_files(mutations: list[str]) -> None:
     args, registry = _mutate(ARGS, REGISTRY, mutations)
     with tempfile.TemporaryDirectory() as tmp:
         rootfs = Path(tmp) / "rootfs"
+        switch_package(Path(tmp), "fastpkg", {"FAST": "1"})
         for root in ROOTS:
             base = rootfs / root.lstrip("/")
             (base / "vllm").mkdir(parents=True)

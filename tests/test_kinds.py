@@ -14,7 +14,7 @@ from typing import Any
 import libcst as cst
 import pytest
 import yaml
-from conftest import REPO, roots_of, small_rootfs, tree_digest
+from conftest import REPO, roots_of, small_rootfs, switch_package, tree_digest
 
 from toolkit.corexlike import COREX_ROOTS, COREX_VERSION
 from toolkit.markers import read_markers
@@ -107,10 +107,10 @@ CASES = [
     Case(
         "dispatch",
         {"id": "rmsnorm-native", "kind": "dispatch", "file": "vllm/model_executor/layers/layernorm.py",
-         "scope": "RMSNorm.forward_native", "switch": "RMSNORM_NATIVE", "default": "0",
+         "scope": "RMSNorm.forward_native", "switch": "RMSNORM_NATIVE", "default": "1",
          "target": "native_fastpaths.attention:sdpa_varlen_prefill"},
         _sub(r"class RMSNorm\(", "class RMSNormV2("),
-        lambda t: 'environ.get("RMSNORM_NATIVE", "0") == "1"' in t
+        lambda t: '__import__("native_fastpaths.switches", fromlist=["on"]).on("RMSNORM_NATIVE")' in t
         and "return _toolkit_rmsnorm_native(self, x, residual)" in t,
         ("RMSNormV2.forward_native",),
         field="scope",
@@ -175,9 +175,9 @@ def kind_patches(tmp_path_factory: pytest.TempPathFactory) -> Path:
     patches = tmp_path_factory.mktemp("patches")
     (patches / "kinds_fixture.py").write_text(
         "def extra_repr(self) -> str:\n    return f\"toolkit eps={self.variance_epsilon}\"\n")
-    # the profile runtime alone (no switches.json: the dispatch case's default is the recipe's)
+    # the profile runtime and the switch reader with its table (the dispatch case's default is the table's)
     (patches / "native_fastpaths").mkdir()
-    for name in ("__init__.py", "profiling.py"):
+    for name in ("__init__.py", "profiling.py", "switches.py", "switches.json"):
         shutil.copy(REPO / "patches" / "src" / "native_fastpaths" / name, patches / "native_fastpaths" / name)
     return patches
 
@@ -336,8 +336,7 @@ def scale(x, factor=2, *, bias=0):
 def test_dispatch_switch_selects_the_path(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rootfs = tmp_path / "rootfs"
     patches = tmp_path / "patches"
-    (patches / "fastpkg").mkdir(parents=True)
-    (patches / "fastpkg" / "__init__.py").write_text("")
+    switch_package(patches, "fastpkg", {"FAST_SCALE": "1"})
     (patches / "fastpkg" / "ops.py").write_text(FAST)
     for root in COREX_ROOTS:
         base = rootfs / root.lstrip("/")
@@ -366,5 +365,12 @@ def test_dispatch_switch_selects_the_path(cli, tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("FAST_SCALE", "1")
     assert vllm.ops.scale(3, 3, bias=1) == ("fast", 10)
     assert vllm.ops.scale.__doc__ == "Original vendor code path."
+    import fastpkg.switches  # type: ignore[import-not-found]
+
+    for bad in ("01", " 1", "true", "on", "2", ""):  # neither path: the injected test refuses, naming the value
+        monkeypatch.setenv("FAST_SCALE", bad)
+        with pytest.raises(fastpkg.switches.SwitchError, match=re.escape(f"FAST_SCALE={bad!r}: expected exactly 0 "
+                                                                          "or 1 (read at ") + ".*vllm/ops.py:"):
+            vllm.ops.scale(3)
     for name in [m for m in sys.modules if m.split(".")[0] in ("vllm", "fastpkg")]:
         monkeypatch.delitem(sys.modules, name)

@@ -85,6 +85,7 @@ CASES: list[tuple[str, Severity, Callable[[dict[str, Any]], None], Callable[[dic
     ("unknown-flag", Severity.ERROR, set_args(max_num_seq=4),
      set_args(max_num_seqs=4, reasoning_parser=None, tool_call_parser="hermes")),
     ("env-unread", Severity.WARNING, set_env(MOE_NATIVE_TYPO="1"), set_env(PYTHONUNBUFFERED="1")),
+    ("switch-value", Severity.ERROR, set_env(PREFIX_STATE="01"), set_env(PREFIX_STATE="0")),
     ("provenance", Severity.WARNING,
      lambda d: d["transforms"][0].__setitem__("why", "TODO"), lambda d: None),
     ("workdir-shadow", Severity.ERROR,
@@ -113,6 +114,34 @@ def test_probe_runtime_must_be_deployed(tmp_path: Path) -> None:
 # rules that need a vendor tree to compare with (lint --rootfs): their cases are in the test named beside them
 ROOTFS_RULES = {
     "vendor-base": "test_corexlike.py::test_vendor_compare_names_063_and_exactly_the_files_the_fixture_changed"}
+
+
+BAD_FLAGS = ("01", " 1", "true", "on", "2", "")
+
+
+@pytest.mark.parametrize("switch", ["PREFIX_STATE", "MOE_NATIVE"])
+@pytest.mark.parametrize("bad", BAD_FLAGS)
+def test_switch_values_are_refused_as_the_server_refuses_them(tmp_path: Path, switch: str, bad: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lint's verdict is the deployed reader's own message (no second parser), for the base and for a variant."""
+    monkeypatch.syspath_prepend(str(REPO / "patches" / "src"))
+    from native_fastpaths import switches
+
+    monkeypatch.setenv(switch, bad)
+    with pytest.raises(switches.SwitchError) as raised:
+        switches.on(switch)
+    runtime_reason = str(raised.value).split(" (read at ")[0]
+    found = issues_of(write(tmp_path, set_env(**{switch: bad})), "switch-value")
+    assert [i.message.split(" (the deployed")[0] for i in found] == [f"env {runtime_reason}"]
+    assert found[0].line is not None and "exactly 0 or 1" in found[0].fix
+
+    def in_variant(data: dict[str, Any]) -> None:
+        data["variants"]["odd"] = {"env": {switch: bad}}
+
+    loaded = load_recipe(write(tmp_path, in_variant, "v.yaml"))
+    assert lint(loaded).errors == 0
+    odd = lint(loaded, find_variant(loaded.recipe, "odd").apply(loaded.recipe), variant="odd")
+    assert [i.rule for i in odd.issues if i.severity is Severity.ERROR] == ["switch-value"]
 
 
 def test_every_rule_has_a_case() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import sys
@@ -456,3 +457,92 @@ def test_the_switch_table_is_the_one_source_of_defaults(monkeypatch: pytest.Monk
     assert switches.small_batch_variant() == table["MOE_SMALL_BATCH_VARIANT"]["default"] == "auto"
     assert switches.small_batch_threshold() == int(table["MOE_SMALL_BATCH_THRESHOLD"]["default"])
     assert all(entry["selects"] and entry["kind"] in ("dispatch", "setting") for entry in table.values())
+
+
+BAD_FLAGS = ("01", " 1", "true", "on", "2", "")
+
+
+@pytest.mark.parametrize("name", ["PREFIX_STATE", "XFORMERS_SDPA_FALLBACK", "TOOLKIT_PROFILE"])
+@pytest.mark.parametrize("bad", BAD_FLAGS)
+def test_a_flag_switch_refuses_every_other_spelling(name: str, bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(switches.SwitchError) as raised:
+        switches.on(name)
+    message = str(raised.value)
+    assert message.startswith(f"{name}={bad!r}: expected exactly 0 or 1 (read at ")
+    assert "test_native.py:" in message and "switches.json" in message  # where it was read, and the table
+
+
+def test_prefix_state_reads_its_switches_through_the_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    from native_fastpaths import prefix_state
+
+    monkeypatch.setenv("PREFIX_STATE", "01")
+    with pytest.raises(switches.SwitchError, match=r"PREFIX_STATE='01': expected exactly 0 or 1 \(read at .*"
+                                                   r"prefix_state\.py:"):
+        prefix_state.enabled()
+    monkeypatch.setenv("PREFIX_STATE", "1")
+    monkeypatch.setenv("PREFIX_STATE_CHECKPOINTS", "08")
+    with pytest.raises(switches.SwitchError, match="PREFIX_STATE_CHECKPOINTS='08': expected a whole number"):
+        prefix_state._registry(type("Scheduler", (), {})())
+
+
+def test_a_count_or_choice_switch_is_strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, ok in (("16", True), ("0", True), ("016", False), (" 16", False), ("-1", False), ("1e3", False)):
+        monkeypatch.setenv("MOE_SMALL_BATCH_THRESHOLD", raw)
+        if ok:
+            assert switches.small_batch_threshold() == int(raw)
+        else:
+            with pytest.raises(switches.SwitchError):
+                switches.small_batch_threshold()
+    monkeypatch.setenv("MOE_SMALL_BATCH_VARIANT", "Direct")
+    with pytest.raises(switches.SwitchError, match="one of auto, direct, gemm, bmm, segments"):
+        switches.small_batch_variant()
+
+
+def _env_reads_of_switches(source: str, table: set[str]) -> list[str]:
+    """Where a module reads a switch of the table from os.environ itself: by its name, or by a module constant
+    holding it."""
+    tree = ast.parse(source)
+    constants = {t.id for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                 and node.value.value in table for t in node.targets if isinstance(t, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            reads = "environ" in ast.unparse(node.func) or "getenv" in ast.unparse(node.func)
+        else:
+            reads = isinstance(node, ast.Subscript) and "environ" in ast.unparse(node.value)
+        if reads and any((isinstance(n, ast.Constant) and n.value in table)
+                         or (isinstance(n, ast.Name) and n.id in constants) for n in ast.walk(node)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_switch_has_a_second_reader() -> None:
+    """Every switch of the table is read by switches.py alone: no other module of the package reads one from
+    os.environ itself (the code the dispatch kind injects calls switches.on: test_states). A module that parses
+    one again fails here, and the check itself sees such a read."""
+    table = set(switches.TABLE)
+    offenders = {path.name: found for path in sorted(Path(switches.__file__).parent.glob("*.py"))
+                 if path.name != "switches.py"
+                 and (found := _env_reads_of_switches(path.read_text(encoding="utf-8"), table))}
+    assert offenders == {}
+    mutant = 'import os\nSWITCH = "PREFIX_STATE"\ndef enabled():\n    return int(os.environ.get(SWITCH, "1")) == 1\n'
+    assert _env_reads_of_switches(mutant, table) == ['4: os.environ.get(SWITCH, \'1\')']
+    assert _env_reads_of_switches('import os\nx = os.environ["PREFIX_FLASH"]\n', table)
+
+
+def test_a_worker_that_reads_another_prefix_state_refuses_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan carries the value the scheduler read; a worker whose side reads another value raises, naming both,
+    instead of leaving the skipped tokens' state unrestored."""
+    from native_fastpaths import prefix_state
+
+    plan = {"rows": {0: {"switch": "1", "request": "r1", "start": 32, "restore": None, "captures": [],
+                         "fresh": False, "carry_in": True, "carry_out": False}}, "evict": []}
+    monkeypatch.setenv("PREFIX_STATE", "0")
+    with pytest.raises(RuntimeError, match=r"planned request r1 with PREFIX_STATE='1' but this worker reads "
+                                           r"PREFIX_STATE='0'"):
+        prefix_state.begin_step(plan)
+    monkeypatch.setenv("PREFIX_STATE", "1")
+    prefix_state.begin_step(plan)
+    assert prefix_state._rows == plan["rows"]
+    prefix_state.begin_step(None)

@@ -52,11 +52,11 @@ def _run(tmp: Path, template: Path, adapter_args: list[str], transformers: Path,
                  f"transformers={site}"]) == 0
     env = dict(runtime_env(tmp, site, roots_of(rootfs)[1]), VLLM_ATTENTION_BACKEND="XFORMERS")
     result: dict[str, Any] = {}
-    for argv in ([], ["workload"]):
+    for argv in ([], ["workload"], ["stale"]):
         proc = subprocess.run([str(runtime()), str(REPO / "tests" / "runtime_prefix_state.py"), *argv],
                               capture_output=True, text=True, env=env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        result.update(json.loads(proc.stdout) if not argv else {"workload": json.loads(proc.stdout)})
+        result.update(json.loads(proc.stdout) if not argv else {argv[0]: json.loads(proc.stdout)})
     print(json.dumps(result, indent=1))  # the per-case evidence, in the test's output
     return result
 
@@ -84,6 +84,26 @@ def test_prefix_state_the_flagship_serves_the_same_tokens(fixed: dict[str, Any])
         "control": 0, "exact": 96, "shared": 0, "mixed": 96, "reused": 16, "chunked": 48, "switched-off": 0}
     assert all(fixed[n]["checkpoint_bytes"] > 0 for n in CASES if n != "switched-off")
     assert fixed["switched-off"]["checkpoint_bytes"] == 0  # PREFIX_STATE=0: no hit, nothing captured
+
+
+STALE = ("caching-on-switch-1", "caching-off-switch-1", "caching-on-switch-0", "caching-off-switch-0")
+
+
+def test_prefix_state_the_pinned_adapter_restores_another_requests_state(pinned: dict[str, Any]) -> None:
+    """(2) on the adapter as pinned: X, on blocks Y used, is served from Y's state in every configuration."""
+    for name in STALE:
+        got = pinned["stale"][name]
+        assert got["reused"], (name, got)  # the arrangement happened: X holds Y's first two blocks
+        assert got["max_abs_logit_diff"] > 100 * TOLERANCE, (name, got)
+
+
+def test_prefix_state_no_request_borrows_another_requests_state(fixed: dict[str, Any]) -> None:
+    """(2) on the flagship: X equals a fresh run of X alone in all four configurations (the block-id LRU is out)."""
+    for name in STALE:
+        got = fixed["stale"][name]
+        assert got["reused"], (name, got)
+        assert got["tokens"] == got["tokens_alone"], (name, got)
+        assert got["max_abs_logit_diff"] < TOLERANCE, (name, got)
 
 
 def test_prefix_state_preflight_checks_the_declaration_against_the_patched_files(

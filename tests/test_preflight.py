@@ -299,6 +299,16 @@ def test_real_roots_build_and_preflight_with_the_adapters_own_files(cli, python:
     notes = result.json()["notes"]
     assert any(n.startswith("stood in for the image's GPU libraries (ixformer, xformers)") for n in notes), notes
 
+    # one verdict for one input: build on the roots apply just patched reaches apply's states (it once refused
+    # the transformers root: "exists in the vendor roots with content this recipe did not deploy")
+    again = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
+    seen = {state for state, count in again.json()["summary"].items() if count}
+    assert again.code == 0 and seen <= {"ALREADY_APPLIED", "GATED_OFF"}, again.json()["summary"]
+    built = cli("build", FLAGSHIP, "-o", tmp_path / "sub-applied", "--rootfs", corex_rootfs, *args, "--json")
+    assert built.code == 0, built.out[-3000:] + built.err[-3000:]
+    kv = {r["state"] for r in built.json()["results"] if r["transform"].startswith("hybrid-kv-accounting")}
+    assert kv == {"ALREADY_APPLIED"}, built.json()["results"]
+
     result = cli("build", FLAGSHIP, "-o", tmp_path / "sub2", *adapter_args, "--json")
     assert result.code == 0, result.out[-3000:]
     said = [n for n in result.json()["notes"] if n.startswith("preflight: 1 variant(s) start")]

@@ -12,6 +12,7 @@ from typing import Any
 import libcst as cst
 import pytest
 import yaml
+from conftest import switch_package
 from pydantic import TypeAdapter
 
 from toolkit.errors import ToolkitError
@@ -123,18 +124,29 @@ def _dispatch(patches: Path, **extra: Any) -> str:
 
 
 def test_dispatch_default_is_read_from_the_table(tmp_path: Path) -> None:
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "switches.json").write_text('{"FAST": {"default": "0", "kind": "dispatch", "selects": "x"}}')
-    assert 'environ.get("FAST", "0") == "1"' in _dispatch(tmp_path)
-    assert 'environ.get("FAST", "0") == "1"' in _dispatch(tmp_path, default="0")  # restating it is fine
+    switch_package(tmp_path, "pkg", {"FAST": "0"})
+    reader = '__import__("pkg.switches", fromlist=["on"]).on("FAST")'
+    assert reader in _dispatch(tmp_path)
+    assert reader in _dispatch(tmp_path, default="0")  # restating it is fine
     with pytest.raises(ToolkitError, match="contradicts"):
         _dispatch(tmp_path, default="1")
 
 
-def test_dispatch_without_any_default_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ToolkitError, match="no default for switch FAST"):
+def test_dispatch_without_the_package_reader_is_refused(tmp_path: Path) -> None:
+    """No second parser of a switch: a package without its table and reader cannot be dispatched into."""
+    with pytest.raises(ToolkitError, match=r"has no switches\.json") as raised:
+        _dispatch(tmp_path, default="1")
+    assert "copy the toolkit's patches/src/native_fastpaths/ pair" in str(raised.value.hint)
+    switch_package(tmp_path, "pkg", {"FAST": "1"})
+    (tmp_path / "pkg" / "switches.py").unlink()
+    with pytest.raises(ToolkitError, match=r"has no switches\.py"):
         _dispatch(tmp_path)
-    assert 'environ.get("FAST", "1") == "1"' in _dispatch(tmp_path, default="1")
+
+
+def test_dispatch_switch_must_be_a_flag_of_the_table(tmp_path: Path) -> None:
+    switch_package(tmp_path, "pkg", {"OTHER": "1"})
+    with pytest.raises(ToolkitError, match="switch FAST is not a flag"):
+        _dispatch(tmp_path)
 
 
 def test_flagship_dispatch_defaults_come_from_the_package_table() -> None:

@@ -112,8 +112,9 @@ def build(request: BuildRequest) -> Report:
                  "the repository URL" if not request.push else "next: submit the repository URL you pushed to")
     closing = (next_step + f"; `toolkit check {outdir}` checks it again at any time",) if verified.ok else (
         "next: fix the findings above (the submission would not build or start), then build again",)
+    # the trial's state per transform and root, as apply reports them on the same trees (one verdict per input)
     return finished(Report(
-        "build", str(loaded.path), findings=verified.findings, notes=(*notes, *verified.notes, *closing),
+        "build", str(loaded.path), trial.results, findings=verified.findings, notes=(*notes, *verified.notes, *closing),
         issues=(*verified.issues, *warnings), columns=("variant", "status", "detail") if rows else (),
         rows=tuple(rows),
         extra={"outdir": str(outdir), "commit": built.commit, "tree": built.tree, "branches": branches,

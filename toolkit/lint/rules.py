@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from packaging.version import Version
 
@@ -290,6 +293,33 @@ def env_unread(ctx: LintContext) -> Iterator[Issue]:
             continue
         yield Issue("env-unread", W, f"env {name} is read by no dispatch and no file this recipe deploys",
                     "remove it, or add the dispatch/deploy that reads it", ctx.line_of_env(name))
+
+
+def switch_readers(deployed: list[Path]) -> list[tuple[Path, Any]]:
+    """Each deployed package's strict switch reader (a switches.py beside a switches.json), loaded from its file:
+    lint judges a value with the very code the server will run, not a second parser."""
+    readers: list[tuple[Path, Any]] = []
+    for path in deployed:
+        reader = path / "switches.py"
+        if path.is_dir() and reader.is_file() and (path / "switches.json").is_file():
+            spec = importlib.util.spec_from_file_location(f"_toolkit_lint_switches_{len(readers)}", reader)
+            if spec is None or spec.loader is None:
+                continue
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            readers.append((reader, module))
+    return readers
+
+
+@rule("switch-value", E, "an env switch set to a value its table does not allow (the server refuses to start)")
+def switch_value(ctx: LintContext) -> Iterator[Issue]:
+    for reader, module in switch_readers(ctx.deployed_paths):
+        for name, raw in ctx.recipe.env.items():
+            if name in module.TABLE and (why := module.problem(name, str(raw))):
+                yield Issue("switch-value", E, f"env {why} (the deployed {reader.parent.name}/switches.py raises on "
+                            "it at the first read: the server would not start)",
+                            f"set {name} to {module.allowed(name)} ({reader.with_name('switches.json')})",
+                            ctx.line_of_env(name))
 
 
 @rule("provenance", W, "transforms whose provenance is a placeholder, or whose remove_when now holds")

@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from toolkit.engine.plan import Engine, run_packages
+from toolkit.engine.state import STATE_FILE
 from toolkit.engine.writer import commit
 from toolkit.errors import ToolkitError
 from toolkit.inputs import Root, cache_dir, package_roots, reference_root, rootfs_roots
@@ -141,6 +142,12 @@ def _copy_root(source: Path, target: Path, package: str, names: set[str]) -> Pat
             shutil.copy2(item, target / name)
     for meta in source.glob(f"{package.replace('-', '_')}-*.dist-info"):
         shutil.copytree(meta, target / meta.name, symlinks=True)
+    # what toolkit apply recorded there (pristine and patched digests): without it an already-applied root reads
+    # as foreign content, and build would refuse what apply accepts on the same root
+    state = source / STATE_FILE
+    if state.is_file():
+        (target / STATE_FILE).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(state, target / STATE_FILE)
     return target
 
 

@@ -1,11 +1,13 @@
 """dispatch: an env-gated early return into an injected fast path at the top of a function.
 
-    if __import__("os").environ.get("SWITCH", "1") == "1" [and (WHEN)]:
+    if __import__("pkg.switches", fromlist=["on"]).on("SWITCH") [and (WHEN)]:
         from pkg.mod import func as _toolkit_<id>
         return _toolkit_<id>(args...)
 
 With the switch off the original body runs untouched. `__import__` keeps the dispatch one
-self-contained statement, so it needs no import elsewhere in the vendor module.
+self-contained statement, so it needs no import elsewhere in the vendor module. The switch is read by the injected
+package's own `switches.py` (beside its `switches.json`), the one strict reader every other use of the switch
+goes through too: a value other than 0 or 1 raises there, so no dispatch can be off where the rest is on.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Dispatch(ModuleEdit):
 
 
 SWITCH_TABLE = "switches.json"  # beside the injected package's __init__.py
+SWITCH_READER = "switches"  # the module beside it that reads every switch of the table (`on` for a dispatch)
 
 
 def forward_args(fn: cst.FunctionDef) -> list[str]:
@@ -66,30 +69,39 @@ class DispatchKind:
         self.spec = spec
         self.module_name, _, self.func = spec.target.partition(":")
         self.alias = "_toolkit_" + spec.id.replace("-", "_").replace(".", "_")
-        self.default = self._default(ctx)
+        self.reader = f"{self.module_name.split('.')[0]}.{SWITCH_READER}"
+        self._check_switch(ctx)
 
-    def _default(self, ctx: Context) -> str:
-        """The default from the injected package's switches.json; the recipe may restate it, never contradict it."""
-        table_file = ctx.patches_dir / self.module_name.split(".")[0] / SWITCH_TABLE
-        table: dict[str, dict[str, str]] = {}
-        if table_file.is_file():
-            try:
-                table = json.loads(table_file.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise ToolkitError(f"{table_file}:{exc.lineno}: not JSON ({exc.msg})") from None
-        listed = table.get(self.spec.switch, {}).get("default")
+    def _check_switch(self, ctx: Context) -> None:
+        """The switch is a flag of the injected package's switches.json, whose default the recipe may restate, never
+        contradict; the package ships the table's reader too (the injected test calls it)."""
+        package = self.module_name.split(".")[0]
+        table_file = ctx.patches_dir / package / SWITCH_TABLE
+        reader = table_file.with_name(SWITCH_READER + ".py")
+        if not table_file.is_file() or not reader.is_file():
+            raise ToolkitError(
+                f"transform {self.spec.id}: the dispatch's package {package} has no "
+                f"{SWITCH_TABLE if not table_file.is_file() else reader.name} under {ctx.patches_dir}: switch "
+                f"{self.spec.switch} must be read by the package's one strict reader",
+                hint=f"ship {package}/{SWITCH_TABLE} (listing {self.spec.switch}: default, kind dispatch, type flag) "
+                     f"and {package}/{SWITCH_READER}.py (copy the toolkit's patches/src/native_fastpaths/ pair)")
+        try:
+            table: dict[str, dict[str, str]] = json.loads(table_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ToolkitError(f"{table_file}:{exc.lineno}: not JSON ({exc.msg})") from None
+        entry = table.get(self.spec.switch, {})
+        listed = entry.get("default")
         if self.spec.default is not None and listed is not None and self.spec.default != listed:
             raise ToolkitError(
                 f"transform {self.spec.id}: default {self.spec.default!r} for {self.spec.switch} contradicts "
                 f"{table_file} ({listed!r})",
                 hint="drop `default` from the recipe (the table decides) or change the table")
-        default = self.spec.default or listed
-        if default not in ("0", "1"):
+        if listed not in ("0", "1") or entry.get("type") != "flag":
             raise ToolkitError(
-                f"transform {self.spec.id}: no default for switch {self.spec.switch}"
-                + (f" (the table says {default!r}; a dispatch switch is 0 or 1)" if default else ""),
-                hint=f"add {self.spec.switch} to {table_file} or set `default` in the recipe")
-        return default
+                f"transform {self.spec.id}: switch {self.spec.switch} is not a flag of {table_file}"
+                + (f" (default {listed!r}, type {entry.get('type')!r}; a dispatch switch is a flag: 0 or 1)"
+                   if entry else ""),
+                hint=f"add {self.spec.switch} to {table_file} with default 0 or 1, kind dispatch, type flag")
 
     def _expected(self) -> str:
         return f"function {self.spec.scope} without a {self.spec.switch} dispatch to {self.spec.target}"
@@ -128,7 +140,7 @@ class DispatchKind:
 
     def statement(self, fn: cst.FunctionDef) -> cst.BaseStatement:
         s = self.spec
-        test = f'__import__("os").environ.get("{s.switch}", "{self.default}") == "1"'
+        test = f'__import__("{self.reader}", fromlist=["on"]).on("{s.switch}")'
         if s.when:
             test = f"(\n    {test}\n    and ({' '.join(s.when.split())})\n)"
         args = ", ".join(s.args if s.args is not None else forward_args(fn))

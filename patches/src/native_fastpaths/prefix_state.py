@@ -17,7 +17,10 @@ state after exactly the cached tokens. This module makes it so, in three places:
   checkpoint, or from its own previous chunk), in mixed batches too; decode rows run together, untouched.
 
 PREFIX_STATE=0 turns every prefix hit off instead (always correct, nothing reused). Checkpoints are held in host
-memory, one copy of every linear-attention layer's conv and recurrent state per checkpoint per rank.
+memory, one copy of every linear-attention layer's conv and recurrent state per checkpoint per rank. The adapter's
+own block-id LRU is taken out of its forward by the flagship (prefix-state-no-block-id-*), so this module is the
+only owner of that state, whatever the switches; each plan carries the PREFIX_STATE value the scheduler read, and
+a worker that reads another raises.
 Imports only the standard library and torch; vLLM is imported inside the functions that need it.
 """
 
@@ -36,19 +39,8 @@ INTERVAL = "PREFIX_STATE_INTERVAL"
 Key = tuple[int, int]  # (number of blocks, chained content hash of those blocks)
 
 
-def _setting(name: str) -> int:
-    raw = switches.value(name)
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < 0 or (name == SWITCH and value > 1):
-        raise ValueError(f"{name}={raw!r}: expected " + ("0 or 1" if name == SWITCH else "a count >= 0"))
-    return value
-
-
 def enabled() -> bool:
-    return _setting(SWITCH) == 1
+    return switches.on(SWITCH)
 
 
 # -- scheduler side ---------------------------------------------------------------------------------------------
@@ -91,7 +83,7 @@ class Registry:
 def _registry(scheduler: Any) -> Registry:
     registry = getattr(scheduler, "_prefix_state_registry", None)
     if registry is None:
-        registry = Registry(_setting(CAPACITY))
+        registry = Registry(switches.count(CAPACITY))
         scheduler._prefix_state_registry = registry
     return registry
 
@@ -143,7 +135,7 @@ def limit_hit(scheduler: Any, seq_group: Any, computed_block_nums: list[int], to
             break
 
     prompt_end = (seq.data.get_len() // block_size) * block_size
-    interval = _setting(INTERVAL)
+    interval = switches.count(INTERVAL)
     points = {prompt_end, hit * block_size}
     if interval:
         points.update(range(interval, end + 1, interval))
@@ -156,7 +148,7 @@ def limit_hit(scheduler: Any, seq_group: Any, computed_block_nums: list[int], to
         evict.extend(evicted)
         captures.append((point, key))
     seq_group._prefix_state_plan = {
-        "start": start, "restore": restore, "captures": captures, "evict": evict,
+        "switch": switches.value(SWITCH), "start": start, "restore": restore, "captures": captures, "evict": evict,
         "fresh": start == 0, "carry_in": start == context > 0, "carry_out": end < seq.data.get_len(),
     }
     seq_group._prefix_state_skipped = getattr(seq_group, "_prefix_state_skipped", 0) + start - context
@@ -225,11 +217,20 @@ _rows: dict[int, dict[str, Any]] = {}
 
 
 def begin_step(plan: dict[str, Any] | None) -> None:
-    """In execute_model, before the forward: this step's plan (on every rank, from the broadcast model input)."""
+    """In execute_model, before the forward: this step's plan (on every rank, from the broadcast model input). A
+    plan made with another PREFIX_STATE value than this process reads raises: the scheduler would skip tokens whose
+    state no layer here restores."""
     global _rows
     _rows = {}
     if plan is None:
         return
+    here = switches.value(SWITCH)
+    for row in plan["rows"].values():
+        if row.get("switch") != here:
+            raise RuntimeError(
+                f"prefix_state: the scheduler planned request {row.get('request')} with {SWITCH}="
+                f"{row.get('switch')!r} but this worker reads {SWITCH}={here!r}: both sides must see the same "
+                "value (set it once, in the server's environment)")
     for key in plan["evict"]:
         STORE.states.pop(tuple(key) if isinstance(key, list) else key, None)
     _rows = plan["rows"]
@@ -310,8 +311,10 @@ def gdn_forward(layer: Any, hidden_states: Any, attn_metadata: Any, conv_state: 
                     raise RuntimeError(
                         f"prefix_state: checkpoint {key} is planned for restore (request {plan['request']}) but this "
                         "process does not hold it: the scheduler and this worker disagree on what was captured")
-            elif plan["carry_in"]:
-                STORE.load(("carry", plan["request"]), layer, conv, temporal)
+            elif plan["carry_in"] and not STORE.load(("carry", plan["request"]), layer, conv, temporal):
+                raise RuntimeError(
+                    f"prefix_state: request {plan['request']} continues its own previous chunk but this process "
+                    "holds no state carried from it: the plan and this worker disagree")
         begin = 0
         for offset, key in [*cuts, (tokens, None)]:
             if offset > begin:

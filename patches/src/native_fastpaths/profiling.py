@@ -4,7 +4,8 @@ The `probe` transforms put `with _toolkit_profile.region(...) if _toolkit_profil
 around vendor and adapter code, and `_toolkit_profile.timed(...)` around calls; the native fast paths time their own
 paths with `profiled`. All of them land in one table per process: (bucket, region) -> calls, total ns, max ns.
 
-Switches, read once when this module is imported (a server restart with new env needs no rebuild):
+Switches, read once when this module is imported through native_fastpaths.switches (strict: `TOOLKIT_PROFILE=true`
+raises; a server restart with new env needs no rebuild):
 - TOOLKIT_PROFILE=1 turns it on; off, a probed region costs one global read and a null context, no clock is read.
 - TOOLKIT_PROFILE_SYNC=1 synchronises the device before a region starts and before it ends, so GPU work is
   attributed to the region that queued it (slower: profiled runs are for attribution, never for scores).
@@ -19,8 +20,8 @@ A region's bucket is the bucket of the region it runs inside; an outermost regio
 (an int, or a tensor's first dimension) against upper bounds in order (default: up to 1 token is decode, more is
 prefill), or a fixed bucket name; with neither, "all".
 
-Standard library only at import (torch is imported on first use when on): the vendor module that imports this
-one must import everywhere the image does.
+Standard library (and its package's switches) only at import (torch is imported on first use when on): the vendor
+module that imports this one must import everywhere the image does.
 """
 
 from __future__ import annotations
@@ -35,29 +36,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from native_fastpaths import switches
+
 ENV = "TOOLKIT_PROFILE"
 DEFAULT_BUCKETS: tuple[tuple[str, int | None], ...] = (("decode", 1), ("prefill", None))
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _every() -> int:
-    raw = os.environ.get("TOOLKIT_PROFILE_EVERY", "0").strip() or "0"
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"TOOLKIT_PROFILE_EVERY must be a whole number of calls, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"TOOLKIT_PROFILE_EVERY must be >= 0, got {value}")
-    return value
-
-
-ON = _flag(ENV)
-SYNC = _flag("TOOLKIT_PROFILE_SYNC")
-EVERY = _every()
-DIR = os.environ.get("TOOLKIT_PROFILE_DIR") or os.path.join(tempfile.gettempdir(), "toolkit-profile")
+ON = switches.on(ENV)
+SYNC = switches.on("TOOLKIT_PROFILE_SYNC")
+EVERY = switches.count("TOOLKIT_PROFILE_EVERY")
+DIR = switches.value("TOOLKIT_PROFILE_DIR") or os.path.join(tempfile.gettempdir(), "toolkit-profile")
 OFF = contextlib.nullcontext()
 
 # (bucket, region) -> [calls, total_ns, max_ns]
