@@ -105,6 +105,7 @@ def test_no_half_written_outdir(cli, tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_crlf_inputs_never_reach_the_submission(cli, tmp_path: Path) -> None:
     patches = tmp_path / "patches"
     for rel in ("native_fastpaths/__init__.py", "native_fastpaths/attention.py", "native_fastpaths/switches.json",
+                "native_fastpaths/switches.py",
                 "chat_templates/qwen36_multi_system.jinja", "hybrid_kv_accounting.py"):
         (patches / rel).parent.mkdir(parents=True, exist_ok=True)
         (patches / rel).write_bytes((REPO / "patches/src" / rel).read_bytes().replace(b"\n", b"\r\n"))

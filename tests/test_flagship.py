@@ -70,7 +70,7 @@ def test_patched_files_carry_markers_and_changes(cli, corex_rootfs: Path, flagsh
         paged = (root / "vllm/attention/ops/paged_attn.py").read_text()
         assert "use_v1 = True" not in paged and "def _should_use_paged_attention_v1(" in paged
         assert "return max_seq_len <= 8192 and (max_num_partitions == 1 or num_seqs * num_heads > 512)" in paged
-        assert 'environ.get("PREFIX_FLASH", "1")' in paged
+        assert '__import__("native_fastpaths.switches", fromlist=["on"]).on("PREFIX_FLASH")' in paged
         assert "from native_fastpaths.prefix_attention import forward_prefix" in paged
         registry = (root / "vllm/model_executor/models/registry.py").read_text()
         qwen3_moe = registry.index('"Qwen3MoeForCausalLM"')

@@ -225,7 +225,11 @@ def test_the_profile_env_is_read_at_import_and_a_bad_value_is_named(tmp_path: Pa
     assert proc.stdout.split() == ["True", "True", "10", str(tmp_path)], proc.stderr
     bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(env, TOOLKIT_PROFILE_EVERY="often"))
-    assert bad.returncode != 0 and "TOOLKIT_PROFILE_EVERY must be a whole number of calls" in bad.stderr
+    assert bad.returncode != 0 and "TOOLKIT_PROFILE_EVERY='often': expected a whole number" in bad.stderr
+    for spelling in ("true", "yes", "on"):  # once read as on by a parser of its own; the one reader refuses them
+        odd = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(env, TOOLKIT_PROFILE=spelling))
+        assert odd.returncode != 0 and f"TOOLKIT_PROFILE={spelling!r}: expected exactly 0 or 1" in odd.stderr
 
 
 # -- `toolkit profile` -------------------------------------------------------------------------------------
