@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import FLAGSHIP, REPO, roots_of
 
@@ -120,3 +121,51 @@ def test_vendor_compare_takes_a_bare_package_copy_and_refuses_no_tree(corex_temp
     assert f"no vllm/ package in {tmp_path}" in error["error"]
     assert main(["vendor", "compare", str(FLAGSHIP), "--json"]) == 2
     assert "--rootfs DIR or as --root DIR" in json.loads(capsys.readouterr().out)["error"]
+
+
+# DESIGN.md section 3, "More vendor edits on the serving path": what the fixture must hold, each against the fact
+SERVING_PATH = {
+    # triton imported unconditionally (upstream: under `if HAS_TRITON:`), while importing.py says False
+    "vllm/triton_utils/__init__.py": (["\nfrom vllm.triton_utils.custom_cache_manager import (",
+                                       "\nfrom vllm.triton_utils.libentry import libentry"], ["if HAS_TRITON:"]),
+    "vllm/triton_utils/importing.py": (["HAS_TRITON = False"], []),
+    # a failing pynvml means CUDA
+    "vllm/platforms/__init__.py": (["        pynvml.nvmlShutdown()\nexcept Exception:\n    is_cuda = True\n"], []),
+    # pynvml at module level, [9, 0], 32 GiB, no device-name comparison at import
+    "vllm/platforms/cuda.py": (["\nimport pynvml\n", "return DeviceCapability(major=9, minor=0)",
+                                "return 32 * 1024**3"], ["\n    warn_if_different_devices()\n"]),
+    # the FLASH_ATTN branch imports the flash_attn backend without probing vllm_flash_attn first
+    "vllm/attention/selector.py": (["# import vllm.vllm_flash_attn", "from vllm.attention.backends.flash_attn import",
+                                    "except ImportError:"], ["\n            import vllm.vllm_flash_attn"]),
+    "vllm/attention/backends/flash_attn.py": (["from ixformer.contrib.vllm_flash_attn import"], []),
+    # the ops a served step calls, routed to ixformer.functions in its argument orders
+    "vllm/_custom_ops.py": ([
+        "ixf_F.silu_and_mul(x, out)", "ixf_F.gelu_and_mul(x, out)", "ixf_F.gelu_tanh_and_mul(x, out)",
+        "    head_mapping: torch.Tensor,\n", "ixf_F.vllm_single_query_cached_kv_attention(\n        output, query, "
+        "key_cache, value_cache, head_mapping, scale, block_tables,\n        context_lens, block_size, "
+        "max_context_len, alibi_slopes)", 'raise NotImplementedError("paged_attention_v2',
+        "ixf_F.vllm_rotary_embedding_neox(positions, query, key, head_size,", "ixf_F.rms_norm(input, weight, out, "
+        "epsilon)", "residual_alpha: float = 1) -> None:\n    ixf_F.fused_add_rms_norm(input, residual, weight, "
+        "epsilon)", "ixf_F.vllm_cache_ops_reshape_and_cache(key, value, key_cache, value_cache,",
+        "slot_mapping.to(torch.int32))", "ixf_F.copy_blocks(", "ixf_F.swap_blocks("],
+        ["torch.ops._C.silu_and_mul", "torch.ops._C.paged_attention_v1", "torch.ops._C.rms_norm",
+         "torch.ops._C_cache_ops.reshape_and_cache("]),
+    # the dynamo cache sizes and execute_model's exception dump commented out
+    "vllm/worker/model_runner.py": (["# torch._dynamo.config.cache_size_limit = 128",
+                                     "# torch._dynamo.config.accumulated_cache_size_limit = 128",
+                                     '    # @dump_input_when_exception(exclude_args=[0], exclude_kwargs=["self"])'],
+                                    ["\ntorch._dynamo.config", '\n    @dump_input_when_exception']),
+    # GemmaRMSNorm's forward_static is not compiled
+    "vllm/model_executor/layers/layernorm.py": ([], ["torch.compile("]),
+}
+
+
+@pytest.mark.parametrize("rel", sorted(SERVING_PATH))
+def test_the_fixture_has_the_vendors_serving_path_edits(corex_template: Path, rel: str) -> None:
+    present, absent = SERVING_PATH[rel]
+    for root in roots_of(corex_template):
+        text = (root / rel).read_text(encoding="utf-8").replace("\r\n", "\n")
+        missing = [p for p in present if p not in text]
+        found = [a for a in absent if a in text]
+        assert (missing, found) == ([], []), rel
+        compile(text, rel, "exec")  # each still a module that imports

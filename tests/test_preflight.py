@@ -19,6 +19,7 @@ from conftest import FLAGSHIP, REPO, roots_of, transformers_site, tree_digest
 from toolkit.recipe import load_recipe
 from toolkit.runtime import standins
 from toolkit.runtime.env import runtime
+from toolkit.runtime.preflight import emulated_devices
 
 VENDOR_MESSAGE = "max_num_batched_tokens (8192) is smaller than max_model_len (245000)"
 
@@ -40,9 +41,11 @@ def recipe_copy(tmp_path: Path, edit: Any) -> Path:
 
 def runtime_env(tmp_path: Path, *paths: Path) -> dict[str, str]:
     """The environment a script runs in on the CPU runtime: the patched tree first, the flagship's GPU libraries
-    stood in (as preflight does), and a record of what was stood in and called written at exit."""
-    libraries = load_recipe(FLAGSHIP).recipe.base_image.gpu_libraries
-    return dict(os.environ, **standins.environment(tmp_path / "standins", libraries, paths),
+    stood in and its devices emulated (as preflight does), and a record of what was stood in and called written at
+    exit."""
+    recipe = load_recipe(FLAGSHIP).recipe
+    return dict(os.environ, **standins.environment(tmp_path / "standins", recipe.base_image.gpu_library_names, paths,
+                                                   recipe.base_image.absent_modules, emulated_devices(recipe)),
                 TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "standins.json"))
 
 
@@ -214,7 +217,8 @@ def test_the_accelerator_count_is_the_recipes(cli, python: Path, standin: tuple[
 # each prior-art launch that died at start: the vendor code's verdict, or why only a GPU (or lint) can tell
 PRIOR_ART = {
     "prior-no-chunked-prefill": ("engine-config", "max_num_batched_tokens (8192) is smaller than max_model_len"),
-    "prior-flashinfer": ("attention-backend", "vLLM selects FLASHINFER, which the image cannot load"),
+    "prior-flashinfer": ("attention-backend", "vLLM selects FLASHINFER (VLLM_ATTENTION_BACKEND=FLASHINFER), which "
+                         "the image cannot load"),
     "prior-multi-step-xformers": ("multi-step", "Multi-Step not supported for attention backend: xformers"),
     "prior-multi-step-chunked": ("multi-step", "Multi-Step + Chunked-Prefill not supported for attention backend"),
     "prior-cuda-graphs": (None, "GPU only: CUDA graph capture hangs on the device; the config is valid"),
@@ -297,7 +301,10 @@ def test_real_roots_build_and_preflight_with_the_adapters_own_files(cli, python:
     assert base["architecture"]["message"].endswith("vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM")
     assert base["reasoning-parser"]["ok"] and base["tool-parser"]["ok"]
     notes = result.json()["notes"]
-    assert any(n.startswith("stood in for the image's GPU libraries (ixformer, xformers)") for n in notes), notes
+    stood_in = "stood in for the image's GPU libraries (ixformer, xformers, triton)"
+    assert any(n.startswith(stood_in) for n in notes), notes
+    assert any(n.startswith("attention backend (every variant): vLLM selects XFORMERS (Cannot use FlashAttention-2")
+               for n in notes), notes
 
     # one verdict for one input: build on the roots apply just patched reaches apply's states (it once refused
     # the transformers root: "exists in the vendor roots with content this recipe did not deploy")
@@ -356,3 +363,81 @@ def test_ten_kv_caches_serve_the_hybrid_model_as_forty_did(cli, python: Path, co
     assert full["smallest_logit_spread"] > 1e-3  # real logits, not a constant compared with itself
     assert len(set(map(tuple, full["tokens"]))) > 1  # the greedy tokens change from step to step
     assert full["mutant"].startswith("IndexError"), full["mutant"]
+
+
+# -- the image as it is: triton, the emulation in every Python, the backend the vendor's selector takes -----------
+
+def _base_stage(result: Any, name: str) -> dict[str, Any]:
+    return stages(by_variant(result)["base"])[name]
+
+
+def test_the_vendor_selector_takes_xformers_because_the_image_lacks_flash_attention(cli, python: Path) -> None:
+    """On the CoreX-like tree (capability [9, 0], the selector importing the flash_attn backend), the recipe's
+    `absent` ixformer.contrib.vllm_flash_attn fails to import as on the image: XFORMERS, for the vendor's reason."""
+    result = cli("preflight", FLAGSHIP, "--json")
+    assert result.code == 0, result.out[-3000:] + result.err[-2000:]
+    stage = _base_stage(result, "attention-backend")
+    assert stage["ok"] and stage["message"].startswith(
+        "vLLM selects XFORMERS (Cannot use FlashAttention-2 backend because the vllm.vllm_flash_attn package is "
+        "not found."), stage
+    notes = result.json()["notes"]
+    assert any(n.startswith("attention backend (every variant): vLLM selects XFORMERS (") for n in notes), notes
+    assert any("per card" in n for n in notes)  # and the vendor's KV numbers
+
+
+def test_without_absent_the_selector_would_take_flash_attention(cli, python: Path, tmp_path: Path) -> None:
+    """The fix removed: a stand-in that lets ixformer.contrib.vllm_flash_attn import makes the vendor's selector
+    take FLASH_ATTN, which the image cannot load (the false CANNOT START of the issue)."""
+    def present(data: dict[str, Any]) -> None:
+        data["base_image"]["gpu_libraries"][0].pop("absent")
+
+    result = cli("preflight", recipe_copy(tmp_path, present), "--json")
+    assert result.code == 2
+    stage = _base_stage(result, "attention-backend")
+    assert not stage["ok"] and stage["message"].startswith("vLLM selects FLASH_ATTN (its first choice, nothing "
+                                                           "ruled out), which the image cannot load"), stage
+
+
+def test_without_triton_the_vendor_triton_utils_cannot_import(cli, python: Path, tmp_path: Path) -> None:
+    """The fix removed: the vendor's triton_utils imports triton unconditionally."""
+    def no_triton(data: dict[str, Any]) -> None:
+        data["base_image"]["gpu_libraries"] = [g for g in data["base_image"]["gpu_libraries"] if g["name"] != "triton"]
+
+    result = cli("preflight", recipe_copy(tmp_path, no_triton), "--json")
+    assert result.code == 2
+    error = result.json()["error"]
+    assert error.startswith("the patched tree imports 'triton' at vllm/triton_utils/custom_cache_manager.py:3"), error
+    assert "add triton to base_image.gpu_libraries" in result.json()["fix"]
+
+
+CHILD_CHECK = """
+import json, os, sys
+from vllm.model_executor.models.registry import ModelRegistry
+if sys.argv[1] == "parent-only":  # the emulation this process has, not passed on (what preflight did before)
+    os.environ.pop("TOOLKIT_EMULATED_DEVICES")
+try:
+    info = ModelRegistry.inspect_model_cls(["Qwen2ForCausalLM"])  # vLLM inspects it in a child Python
+    print(json.dumps({"ok": True, "cls": type(info).__name__}))
+except Exception as exc:
+    print(json.dumps({"ok": False, "error": str(exc)[-3000:]}))
+"""
+
+
+def test_every_python_the_runtime_starts_sees_the_emulated_devices(python: Path, corex_rootfs: Path,
+                                                                   tmp_path: Path) -> None:
+    """The vendor's platform code imports pynvml at module level and takes CUDA when it fails; vLLM 0.6.3 inspects a
+    model class in a child Python. With the emulation in the environment the child sees the devices; with it only in
+    the parent, the child dies on pynvml and the vendor says the architecture is not supported."""
+    env = runtime_env(tmp_path, roots_of(corex_rootfs)[1])
+    got = {}
+    for mode in ("inherited", "parent-only"):
+        proc = subprocess.run([str(python), "-c", CHILD_CHECK, mode], capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["inherited"] == {"ok": True, "cls": "_ModelInfo"}, got
+    # the issue's symptom: the vendor refuses the very architecture it lists (the child died on pynvml)
+    error = got["parent-only"]["error"]
+    assert not got["parent-only"]["ok"] and error.startswith(
+        "Model architectures ['Qwen2ForCausalLM'] are not supported for now. Supported architectures: ["), got
+    assert "'Qwen2ForCausalLM'" in error.split("Supported architectures: ", 1)[1], error

@@ -151,8 +151,10 @@ def test_preflight_lists_what_it_stood_in(cli, runtime_python: Path) -> None:
     result = cli("preflight", FLAGSHIP, "--json")
     assert result.code == 0, result.err[-2000:]
     notes = [n for n in result.json()["notes"] if n.startswith("stood in for the image's GPU libraries")]
-    assert len(notes) == 1 and "(ixformer, xformers)" in notes[0] and "ixformer.distributed" in notes[0]
-    assert notes[0].endswith("preflight called none of them")
+    assert len(notes) == 1 and "(ixformer, xformers, triton)" in notes[0] and "ixformer.distributed" in notes[0]
+    assert "preflight called none of them; absent from the image, so refused as there: " \
+           "ixformer.contrib.vllm_flash_attn" in notes[0]
+    assert notes[0].endswith("; emulated 4 device(s) of 32 GiB in every Python it started")
     standins_seen = result.json()["variants"][0]["standins"]
     assert "ixformer.functions" in standins_seen["modules"]
 

@@ -197,7 +197,7 @@ def report_of(loaded: LoadedRecipe, result: Comparison, installed: set[str] | No
         notes.append(f"vendor.reference ({loaded.path}:{line}) is the closest candidate")
     imported = result.vendor_libraries()
     libraries = [m for m in imported if m not in (installed or set())]
-    undeclared = [m for m in libraries if m not in recipe.base_image.gpu_libraries]
+    undeclared = [m for m in libraries if m not in recipe.base_image.gpu_library_names]
     if imported:
         said = f"the vendor tree imports modules no candidate imports: {', '.join(imported)}"
         if installed:

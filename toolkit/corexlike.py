@@ -38,7 +38,7 @@ class VendorEdit(NamedTuple):
 
 
 # the vendor changes of DESIGN.md section 3, on vLLM 0.6.3
-VENDOR_EDITS: tuple[VendorEdit, ...] = (
+DOCUMENTED_EDITS: tuple[VendorEdit, ...] = (
     VendorEdit("vllm/engine/arg_utils.py", r"enforce_eager=self\.enforce_eager,", "enforce_eager=True,"),
     VendorEdit("vllm/engine/arg_utils.py", r"disable_custom_all_reduce=self\.disable_custom_all_reduce,",
                "disable_custom_all_reduce=True,"),
@@ -93,6 +93,82 @@ VENDOR_EDITS: tuple[VendorEdit, ...] = (
                "flash_attn_varlen_func = _flash_attn_varlen_func\n"
                "flash_attn_with_kvcache = _flash_attn_with_kvcache\n"),
 )
+# the vendor edits on the serving path (DESIGN.md section 3, "More vendor edits on the serving path")
+SERVING_PATH_EDITS: tuple[VendorEdit, ...] = (
+    # triton's cache manager and libentry imported unconditionally (upstream: under `if HAS_TRITON:`)
+    VendorEdit("vllm/triton_utils/__init__.py",
+               r"if HAS_TRITON:\n\n    (from vllm\.triton_utils\.custom_cache_manager import \()\n        "
+               r"(maybe_set_triton_cache_manager\))\n    (from vllm\.triton_utils\.libentry import libentry)\n\n    "
+               r"(__all__ \+= \[\"maybe_set_triton_cache_manager\", \"libentry\"\])\n",
+               r"\1\n    \2\n\3\n\n\4\n"),
+    # a failing pynvml means CUDA (upstream: nothing); the CUDA platform imports pynvml at module level (as
+    # upstream), reports capability [9, 0] and 32 GiB whatever the device says, and never compares device names
+    VendorEdit("vllm/platforms/__init__.py",
+               r"(\n        pynvml\.nvmlShutdown\(\)\nexcept Exception:\n)    pass\n", r"\1    is_cuda = True\n"),
+    VendorEdit("vllm/platforms/cuda.py",
+               r"physical_device_id = device_id_to_physical_device_id\(device_id\)\n        major, minor = "
+               r"get_physical_device_capability\(physical_device_id\)\n        return DeviceCapability\(major=major, "
+               r"minor=minor\)", "return DeviceCapability(major=9, minor=0)"),
+    VendorEdit("vllm/platforms/cuda.py",
+               r"physical_device_id = device_id_to_physical_device_id\(device_id\)\n        return "
+               r"get_physical_device_total_memory\(physical_device_id\)", "return 32 * 1024**3"),
+    VendorEdit("vllm/platforms/cuda.py",
+               r"\ntry:\n    from sphinx\.ext\.autodoc\.mock import _MockModule\n\n    if not isinstance\(pynvml, "
+               r"_MockModule\):\n        warn_if_different_devices\(\)\nexcept ModuleNotFoundError:\n    "
+               r"warn_if_different_devices\(\)\n", "\n"),
+    # the FLASH_ATTN branch no longer probes vllm.vllm_flash_attn: it imports the flash_attn backend, whose module
+    # level imports ixformer.contrib.vllm_flash_attn, and takes XFORMERS only on ImportError
+    VendorEdit("vllm/attention/selector.py", r"\n            import vllm\.vllm_flash_attn  # noqa: F401\n",
+               "\n            # import vllm.vllm_flash_attn  # noqa: F401\n"),
+    # the ops a served step calls, routed to ixformer.functions (its argument orders)
+    VendorEdit("vllm/_custom_ops.py", r"torch\.ops\._C\.(silu_and_mul|gelu_and_mul|gelu_tanh_and_mul)\(out, x\)",
+               r"ixf_F.\1(x, out)", matches=3),
+    VendorEdit("vllm/_custom_ops.py",
+               r"def paged_attention_v1\(\n    out: torch\.Tensor,\n(    query: torch\.Tensor,\n    key_cache: "
+               r"torch\.Tensor,\n    value_cache: torch\.Tensor,\n)    num_kv_heads: int,\n(    scale: float,\n    "
+               r"block_tables: torch\.Tensor,\n)    seq_lens: torch\.Tensor,\n(    block_size: int,\n)    "
+               r"max_seq_len: int,\n    alibi_slopes: Optional\[torch\.Tensor\],\n(?:    \w+: [^\n]+\n)+\) -> None:\n"
+               r"    torch\.ops\._C\.paged_attention_v1\([^)]*\)\n",
+               "def paged_attention_v1(\n    output: torch.Tensor,\n\\1    head_mapping: torch.Tensor,\n\\2"
+               "    context_lens: torch.Tensor,\n\\3    max_context_len: int,\n"
+               "    alibi_slopes: Optional[torch.Tensor] = None,\n    kv_cache_dtype: Optional[str] = None,\n"
+               ") -> None:\n    ixf_F.vllm_single_query_cached_kv_attention(\n        output, query, key_cache, "
+               "value_cache, head_mapping, scale, block_tables,\n        context_lens, block_size, max_context_len, "
+               "alibi_slopes)\n"),
+    VendorEdit("vllm/_custom_ops.py", r"(\) -> None:\n)    torch\.ops\._C\.paged_attention_v2\([^)]*\)\n",
+               r'\1    raise NotImplementedError("paged_attention_v2 (ixformer has only v1)")\n'),
+    VendorEdit("vllm/_custom_ops.py",
+               r"torch\.ops\._C\.rotary_embedding\(positions, query, key, head_size,\n\s+cos_sin_cache, is_neox\)",
+               "ixf_F.vllm_rotary_embedding_neox(positions, query, key, head_size,\n"
+               "                                    cos_sin_cache, is_neox)"),
+    VendorEdit("vllm/_custom_ops.py", r"torch\.ops\._C\.rms_norm\(out, input, weight, epsilon\)",
+               "ixf_F.rms_norm(input, weight, out, epsilon)"),
+    VendorEdit("vllm/_custom_ops.py",
+               r"(def fused_add_rms_norm\(input: torch\.Tensor, residual: torch\.Tensor,\n\s+weight: torch\.Tensor, "
+               r"epsilon: float)\) -> None:\n    torch\.ops\._C\.fused_add_rms_norm\(input, residual, weight, "
+               r"epsilon\)",
+               "\\1,\n                       residual_alpha: float = 1) -> None:\n"
+               "    ixf_F.fused_add_rms_norm(input, residual, weight, epsilon)"),
+    VendorEdit("vllm/_custom_ops.py",
+               r"torch\.ops\._C_cache_ops\.reshape_and_cache\(key, value, key_cache,\n\s+value_cache, "
+               r"slot_mapping,\n\s+kv_cache_dtype, k_scale, v_scale\)",
+               "ixf_F.vllm_cache_ops_reshape_and_cache(key, value, key_cache, value_cache,\n"
+               "                                          slot_mapping.to(torch.int32))"),
+    VendorEdit("vllm/_custom_ops.py", r"torch\.ops\._C_cache_ops\.(copy_blocks|swap_blocks)\(", r"ixf_F.\1(",
+               matches=2),
+    # the model runner's dynamo cache sizes and its execute_model's exception dump are commented out
+    VendorEdit("vllm/worker/model_runner.py", r"\n(torch\._dynamo\.config\.(?:accumulated_)?cache_size_limit = 128)",
+               r"\n# \1", matches=2),
+    VendorEdit("vllm/worker/model_runner.py",
+               r"\n    (@dump_input_when_exception\(exclude_args=\[0\], exclude_kwargs=\[\"self\"\]\))\n",
+               r"\n    # \1\n"),
+    # GemmaRMSNorm's forward_static is not compiled
+    VendorEdit("vllm/model_executor/layers/layernorm.py",
+               r"\n        if not getattr\(self, \"_is_compiled\", False\):\n            self\.forward_static = "
+               r"torch\.compile\(  # type: ignore\n                self\.forward_static\)\n            "
+               r"self\._is_compiled = True\n", "\n"),
+)
+VENDOR_EDITS = (*DOCUMENTED_EDITS, *SERVING_PATH_EDITS)  # applied in this order
 # what CoreX ships that upstream 0.6.3 has not (stand-ins: the registry names them, nothing here imports them)
 COREX_ONLY = {
     "vllm/model_executor/models/qwen3.py": "Qwen3ForCausalLM",

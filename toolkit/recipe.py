@@ -35,6 +35,24 @@ class Hardware(Strict):
         default=1.0, ge=0, description="Per-card memory outside vLLM's accounting (runtime, NCCL buffers), GiB")
 
 
+class GpuLibrary(Strict):
+    """A GPU library of the image, with what of it the image does not have."""
+
+    name: DottedName = Field(description="The top-level module (or a compiled extension), e.g. ixformer")
+    absent: list[DottedName] = Field(
+        default_factory=list,
+        description="Submodules the image does not provide: importing one raises ImportError off the image too, so "
+        "the vendor's own fallback runs (e.g. ixformer.contrib.vllm_flash_attn: the selector then takes XFORMERS)")
+    why: str | None = Field(default=None, description="Why the image has it (or lacks those), for the reports")
+
+    @model_validator(mode="after")
+    def _inside(self) -> GpuLibrary:
+        outside = [a for a in self.absent if not a.startswith(self.name + ".")]
+        if outside:
+            raise ValueError(f"absent module(s) {', '.join(outside)} are not under {self.name}")
+        return self
+
+
 class BaseImage(Strict):
     reference: str = Field(min_length=1, description="The vendor image the submission builds FROM")
     python: str = Field(pattern=r"^3\.\d+$", description="Python version inside the image, e.g. 3.10")
@@ -42,11 +60,27 @@ class BaseImage(Strict):
     attention_backends: list[str] = Field(
         default_factory=lambda: ["XFORMERS"],
         description="Attention backends the image can load; the first is the one vLLM picks by default")
-    gpu_libraries: list[DottedName] = Field(
+    gpu_libraries: list[GpuLibrary] = Field(
         default_factory=list,
         description="Modules only the image has that the vendor tree imports at module level: its GPU libraries "
-        "(e.g. ixformer, xformers), or a compiled extension a copy of the tree lacks (e.g. vllm._C). Preflight "
-        "and the CPU runtime stand them in (importable; a call from a function raises, naming it and the caller)")
+        "(e.g. ixformer, xformers, triton), or a compiled extension a copy of the tree lacks (e.g. vllm._C); a "
+        "name, or {name, absent, why}. Preflight and the CPU runtime stand them in (importable; a call from a "
+        "function raises, naming it and the caller), except the `absent` submodules, which fail to import as on "
+        "the image")
+
+    @field_validator("gpu_libraries", mode="before")
+    @classmethod
+    def _named(cls, value: Any) -> Any:
+        return [{"name": item} if isinstance(item, str) else item for item in value] if isinstance(value, list) \
+            else value
+
+    @property
+    def gpu_library_names(self) -> list[str]:
+        return [library.name for library in self.gpu_libraries]
+
+    @property
+    def absent_modules(self) -> list[str]:
+        return [name for library in self.gpu_libraries for name in library.absent]
 
 
 class Vendor(Strict):
@@ -359,6 +393,10 @@ class Recipe(Strict):
 
     def package_of(self, transform: TransformBase) -> str:
         return transform.package or self.vendor.package
+
+    def attention_backend(self) -> str:
+        """The backend the server is expected to run: the one its env forces, else the image's default."""
+        return str(self.env.get("VLLM_ATTENTION_BACKEND") or self.base_image.attention_backends[0])
 
     def for_package(self, name: str) -> list[TransformBase]:
         return [t for t in self.transforms if self.package_of(t) == name]

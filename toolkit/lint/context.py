@@ -113,7 +113,7 @@ class LintContext:
         return max(max_len, 2048) if max_len else None
 
     def attention_backend(self) -> str:
-        return self.recipe.env.get("VLLM_ATTENTION_BACKEND") or self.recipe.base_image.attention_backends[0]
+        return self.recipe.attention_backend()
 
     def unhardcoded(self, kwarg: str) -> bool:
         return any(getattr(t, "kind", "") == "set-kwarg" and getattr(t, "arg", "") == kwarg

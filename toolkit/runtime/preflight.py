@@ -255,7 +255,8 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
             max_len = applied.serve.args.get("max-model-len")
             folder = model_dir or model_config(recipe.model or _no_model(), int(str(max_len or 4096)),
                                                Path(tmp) / variant.name, fallback, dict(applied.env))
-            requests.append({"name": variant.name, "argv": kept, "model_dir": str(folder), "env": dict(applied.env)})
+            requests.append({"name": variant.name, "argv": kept, "model_dir": str(folder), "env": dict(applied.env),
+                             "expected_backend": applied.attention_backend()})
             outcome.lint_errors = [f"{i.rule}: {i.message}" for i in lint(loaded, applied, variant=variant.name).issues
                                    if i.severity is Severity.ERROR]
             outcomes.append(outcome)
@@ -316,12 +317,19 @@ def _no_model() -> ModelShape:
                        hint="add a `model:` section to the recipe, or pass --model-config DIR")
 
 
+def emulated_devices(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's accelerators as the runtime emulates them (count, memory; the capability the vendor's pynvml
+    reports before its platform code overrides it)."""
+    return {"count": recipe.hardware.count, "memory_gb": recipe.hardware.memory_gb, "capability": [7, 0]}
+
+
 def _run_stages(python: Path, tree: Tree, request: dict[str, Any], loaded: LoadedRecipe) -> dict[str, Any]:
     recipe = loaded.recipe
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1",
-           **standins.environment(cache_dir() / "runtime", recipe.base_image.gpu_libraries, tree.paths)}
+           **standins.environment(cache_dir() / "runtime", recipe.base_image.gpu_library_names, tree.paths,
+                                  recipe.base_image.absent_modules, emulated_devices(recipe))}
     proc = subprocess.run(script(python, STAGES), input=json.dumps(request), capture_output=True, text=True,
                           env=env, timeout=600)
     if proc.returncode != 0:
@@ -350,6 +358,14 @@ def import_failure(loaded: LoadedRecipe, tree: Tree, failed: dict[str, Any]) -> 
     """`import vllm` failed: an undeclared GPU library names the field to add it to; anything else says where."""
     module = str(failed.get("module") or "")
     where = failed.get("where") or "a file outside the patched trees"
+    absent = [a for a in loaded.recipe.base_image.absent_modules if module == a or module.startswith(a + ".")]
+    if failed.get("type") == "ModuleNotFoundError" and absent:
+        line = loaded.line_of("base_image", "gpu_libraries") or loaded.line_of("base_image")
+        return ToolkitError(
+            f"the patched tree imports {module!r} at {where} unconditionally, and the recipe declares {absent[0]} "
+            f"absent from the image ({loaded.path}:{line}): on the image this import fails too ({tree.where})",
+            hint="guard the import (the vendor's selector falls back on ImportError), or correct `absent` if the "
+                 "image does have it")
     if failed.get("type") == "ModuleNotFoundError" and module:
         # the missing module's own name when its package is in the tree (a compiled extension a copy lacks),
         # else its top-level library
@@ -412,8 +428,13 @@ def standins_summary(record: dict[str, Any]) -> str | None:
         seen = dict.fromkeys(f"{c['name']} from {c['where']}" + (f" (ran {c['mapped']})" if c.get("mapped") else
                                                                   " (raised)") for c in calls)
         called = f"preflight called {len(calls)}: " + "; ".join(seen)
+    absent = sorted(set(record.get("absent_imports") or []))
+    refused = (f"; absent from the image, so refused as there: {', '.join(absent)}" if absent else "")
+    devices = record.get("devices")
+    emulated = (f"; emulated {devices['count']} device(s) of {devices['memory_gb']:g} GiB in every Python it started"
+                if devices else "")
     return (f"stood in for the image's GPU libraries ({', '.join(libraries)}): {len(modules)} module(s): {used}; "
-            f"{called}")
+            f"{called}{refused}{emulated}")
 
 
 def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
@@ -439,6 +460,9 @@ def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
     said = standins_summary(outcomes[0].standins) if outcomes else None
     if said:
         notes.append(said)
+    backends = Counter(s.message for o in outcomes for s in o.stages if s.stage == "attention-backend" and s.ok)
+    notes.extend(f"attention backend ({'every variant' if k == len(outcomes) else f'{k} of {len(outcomes)} variants'}"
+                 f"): {message}" for message, k in backends.items())
     kv = kv_summary(loaded.recipe, outcomes[0]) if outcomes else None
     if kv:
         notes.append(f"{outcomes[0].variant}: {kv}")

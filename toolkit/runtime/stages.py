@@ -2,13 +2,14 @@
 parser, engine arguments and config construction for each variant, with the target hardware emulated.
 
 Standard library only at the top: it is executed as a script (`python stages.py < request.json`), never imported
-by the toolkit. The shims are applied here, from outside the tree, before anything imports vllm:
-- a stand-in `pynvml` reports the recipe's device count, memory and compute capability, so vLLM takes the CUDA
-  platform, as on the image, and its config code sees the accelerators it will see there (nothing touches a GPU;
-  the `+cpu` version trick of ../shared/VLLM_CPU.md is for running layers on the CPU, which this does not do);
-- `cuda_device_count_stateless` returns that count;
-- the image's GPU-only libraries (base_image.gpu_libraries) are stood in by `toolkit_standins` (standins.py),
-  loaded by the sitecustomize on PYTHONPATH; what was stood in and called is part of the result.
+by the toolkit. What emulates the image is applied from outside the tree, before anything imports vllm, by
+`toolkit_standins` (standins.py), loaded by the sitecustomize on PYTHONPATH in this Python and in every child:
+- an emulated `pynvml` reports the recipe's device count and memory, so vLLM takes the CUDA platform, as on the
+  image, and its config code sees the accelerators it will see there (nothing touches a GPU; the `+cpu` version
+  trick of ../shared/VLLM_CPU.md is for running layers on the CPU, which this does not do), and vLLM's
+  `cuda_device_count_stateless` returns that count;
+- the image's GPU-only libraries (base_image.gpu_libraries) are stood in, their `absent` submodules fail to
+  import; what was stood in and called is part of the result.
 Prints one JSON object on stdout; everything the vendor logs goes to stderr.
 """
 
@@ -19,40 +20,7 @@ import os
 import re
 import sys
 import traceback
-import types
 from typing import Any
-
-
-def _shim_nvml(devices: int, memory_gb: float, capability: tuple[int, int]) -> None:
-    nvml = types.ModuleType("pynvml")
-    nvml.__file__ = "<toolkit preflight: emulated devices>"
-
-    class NVMLError(Exception):
-        pass
-
-    class Memory:
-        total = int(memory_gb * 2**30)
-        free = total
-        used = 0
-
-    def handle(index: int) -> int:
-        if not 0 <= index < devices:
-            raise NVMLError(f"no device {index}")
-        return index
-
-    nvml.NVMLError = NVMLError  # type: ignore[attr-defined]
-    nvml.nvmlInit = lambda: None  # type: ignore[attr-defined]
-    nvml.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
-    nvml.nvmlDeviceGetCount = lambda: devices  # type: ignore[attr-defined]
-    nvml.nvmlDeviceGetHandleByIndex = handle  # type: ignore[attr-defined]
-    nvml.nvmlDeviceGetCudaComputeCapability = lambda h: capability  # type: ignore[attr-defined]
-    nvml.nvmlDeviceGetName = lambda h: "emulated accelerator"  # type: ignore[attr-defined]
-    nvml.nvmlDeviceGetMemoryInfo = lambda h: Memory()  # type: ignore[attr-defined]
-    nvml.nvmlDeviceGetP2PStatus = lambda a, b, kind: 0  # type: ignore[attr-defined]
-    nvml.NVML_P2P_CAPS_INDEX_NVLINK = 0  # type: ignore[attr-defined]
-    nvml.NVML_P2P_STATUS_OK = 0  # type: ignore[attr-defined]
-    sys.modules["pynvml"] = nvml
-
 
 TREES: list[str] = []  # the patched trees on sys.path (from the request): where a failure is located
 
@@ -147,7 +115,7 @@ def _stages(request: dict[str, Any], variant: dict[str, Any], out: dict[str, Any
             out["kv"]["accountings"] = accountings
     except Exception as exc:
         stages.append(_failure("kv", exc))
-    stages.extend(_attention(request, config))
+    stages.extend(_attention(dict(request, expected_backend=variant.get("expected_backend")), config))
     stages.extend(_registrations(args, config))
     stages.extend(_prefix_state(request, config))
     return out
@@ -187,6 +155,18 @@ _BACKEND_NAMES = {"XFORMERS": "xformers", "FLASH_ATTN": "flash-attn", "FLASHINFE
 
 def _attention(request: dict[str, Any], config: Any) -> list[dict[str, Any]]:
     """The backend vLLM's own selector picks on the emulated device, and what the model load then refuses."""
+    import logging
+
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    selector_log = logging.getLogger("vllm.attention.selector")
+    handler, level = Said(logging.INFO), selector_log.level
+    selector_log.addHandler(handler)
+    selector_log.setLevel(logging.INFO)
     try:
         from vllm.attention.selector import which_attn_to_use
 
@@ -195,11 +175,25 @@ def _attention(request: dict[str, Any], config: Any) -> list[dict[str, Any]]:
                                     cc.block_size, mc.is_attention_free).name
     except Exception as exc:
         return [_failure("attention-backend", exc)]
+    finally:
+        selector_log.removeHandler(handler)
+        selector_log.setLevel(level)
     loadable = request.get("attention_backends") or []
-    stages = [{"stage": "attention-backend", "ok": backend in loadable, "type": "" if backend in loadable else
-               "ImportError", "message": f"vLLM selects {backend}" + (
-                   "" if backend in loadable else f", which the image cannot load (it has {', '.join(loadable)}): "
-                   "the model fails to load")}]
+    expected = request.get("expected_backend")
+    forced = os.environ.get("VLLM_ATTENTION_BACKEND")
+    reason = "; ".join(said) or (f"VLLM_ATTENTION_BACKEND={forced}" if forced else
+                                 "its first choice, nothing ruled out")
+    why = f"vLLM selects {backend} ({reason})"
+    if backend not in loadable:
+        message = f"{why}, which the image cannot load (it has {', '.join(loadable)}): the model fails to load"
+    elif expected and backend != expected:
+        message = (f"{why}, but lint expects {expected} (VLLM_ATTENTION_BACKEND or base_image.attention_backends[0]): "
+                   "the recipe and the vendor's selector disagree")
+    else:
+        message = why
+    ok = backend in loadable and (not expected or backend == expected)
+    stages = [{"stage": "attention-backend", "ok": ok, "type": "" if ok else "ImportError", "message": message,
+               "backend": backend, "reason": reason}]
     if config.scheduler_config.is_multi_step:
         try:
             from vllm.worker.multi_step_model_runner import _get_supported_attention_backends
@@ -277,9 +271,6 @@ def main() -> int:
     request = json.load(sys.stdin)
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM's logger writes to stdout: only the result goes there
-    hw = request["hardware"]
-    major, minor = hw.get("capability", (7, 0))
-    _shim_nvml(hw["count"], hw["memory_gb"], (major, minor))
     TREES.extend(request.get("trees", request["roots"]))
     result: dict[str, Any] = {"variants": []}
     try:
@@ -287,7 +278,6 @@ def main() -> int:
     except Exception as exc:
         result["import_error"] = _failure("import", exc)
     else:
-        vllm.utils._cuda_device_count_stateless = lambda *a: hw["count"]
         result["vllm"] = vllm.utils.__file__.rsplit("/vllm/", 1)[0]
         for variant in request["variants"]:
             result["variants"].append(_variant(request, variant))

@@ -1,5 +1,8 @@
-"""Import-safe stand-ins for the vendor image's GPU-only libraries (`base_image.gpu_libraries`: ixformer, xformers),
-so that a vendor tree that imports them at module level can be imported and configured on a CPU.
+"""Import-safe stand-ins for the vendor image's GPU-only libraries (`base_image.gpu_libraries`: ixformer, xformers,
+triton), so that a vendor tree that imports them at module level can be imported and configured on a CPU, and the
+recipe's accelerators emulated (a pynvml that reports them, vLLM's device count), in every Python the runtime
+starts: the sitecustomize applies both from the environment, so a child process (vLLM's registry check, a worker)
+sees what its parent sees. Submodules the image lacks (`absent`) fail to import, as there.
 
 Standard library only: the CPU runtime's Python loads this file through the `sitecustomize` that `site_dir()`
 writes (activated by TOOLKIT_GPU_STANDINS, a comma-separated list of top-level names), from outside the tree, as
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 ENV = "TOOLKIT_GPU_STANDINS"  # the libraries to stand in, comma-separated
+ABSENT_ENV = "TOOLKIT_GPU_ABSENT"  # submodules of them the image lacks (they fail to import), comma-separated
+DEVICES_ENV = "TOOLKIT_EMULATED_DEVICES"  # JSON {"count", "memory_gb", "capability": [major, minor]}
 RECORD_ENV = "TOOLKIT_GPU_STANDINS_RECORD"  # a file the record is written to at exit (JSON)
 # calls the vendor tree makes on the paths preflight and the runtime tests run, and what does the same on a CPU:
 # the CoreX linear.py's forward calls ixformer.functions.linear where upstream calls torch.nn.functional.linear
@@ -37,7 +42,8 @@ class StandInCalled(RuntimeError):
     """The tree called a GPU library that only the image has."""
 
 
-RECORD: dict[str, Any] = {"libraries": [], "modules": [], "calls": []}
+RECORD: dict[str, Any] = {"libraries": [], "modules": [], "calls": [], "absent": [], "absent_imports": [],
+                         "devices": None}
 _CLASSES: dict[str, type] = {}
 
 
@@ -105,9 +111,13 @@ def standin(name: str) -> type:
 
 
 class _StandInModule(types.ModuleType):
+    absent: frozenset[str] = frozenset()
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
+        if _under(f"{self.__name__}.{name}", type(self).absent):
+            raise AttributeError(f"{self.__name__}.{name} is absent from the image")
         return standin(f"{self.__name__}.{name}")
 
 
@@ -122,39 +132,137 @@ class _Loader(importlib.abc.Loader):
         return None
 
 
+def _under(fullname: str, names: Sequence[str] | frozenset[str]) -> bool:
+    return any(fullname == name or fullname.startswith(name + ".") for name in names)
+
+
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, libraries: Sequence[str]) -> None:
+    def __init__(self, libraries: Sequence[str], absent: Sequence[str] = ()) -> None:
         self.libraries = frozenset(libraries)
+        self.absent = frozenset(absent)
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         # a top-level library, or a module under a package that is here but lacks it (a copy without its
         # compiled extensions: vllm._C); this finder is the last one asked, so what exists always wins
-        if not any(fullname == name or fullname.startswith(name + ".") for name in self.libraries):
+        if not _under(fullname, self.libraries):
+            return None
+        if _under(fullname, self.absent):
+            # the image lacks it: nothing provides it, and the import fails as it does there
+            RECORD["absent_imports"].append(fullname)
             return None
         return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
 
 
-def install(libraries: Sequence[str]) -> None:
-    """Stand in for these top-level libraries where nothing installed provides them (idempotent)."""
+def install(libraries: Sequence[str], absent: Sequence[str] = ()) -> None:
+    """Stand in for these top-level libraries where nothing installed provides them, except the absent submodules
+    (idempotent)."""
     names = [n.strip() for n in libraries if n.strip()]
     if not names or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
     RECORD["libraries"] = names
-    sys.meta_path.append(_Finder(names))
+    RECORD["absent"] = [n.strip() for n in absent if n.strip()]
+    _StandInModule.absent = frozenset(RECORD["absent"])
+    sys.meta_path.append(_Finder(names, RECORD["absent"]))
+    _record_at_exit()
+
+
+def _record_at_exit() -> None:
     record_file = os.environ.get(RECORD_ENV)
-    if record_file:
+    if record_file and not getattr(_record_at_exit, "registered", False):
+        _record_at_exit.registered = True  # type: ignore[attr-defined]
         atexit.register(lambda: Path(record_file).write_text(json.dumps(RECORD)))
 
 
+# -- the emulated devices ---------------------------------------------------------------------------------------
+
+def emulated_nvml(count: int, memory_gb: float, capability: Sequence[int]) -> types.ModuleType:
+    """A pynvml that reports the recipe's accelerators: vLLM takes the CUDA platform, as on the image, and its config
+    code sees the devices it will see there (nothing touches a GPU)."""
+    nvml = types.ModuleType("pynvml")
+    nvml.__file__ = "<toolkit: emulated devices>"
+
+    class NVMLError(Exception):
+        pass
+
+    class Memory:
+        total = int(memory_gb * 2**30)
+        free = total
+        used = 0
+
+    def handle(index: int) -> int:
+        if not 0 <= index < count:
+            raise NVMLError(f"no device {index}")
+        return index
+
+    major, minor = int(capability[0]), int(capability[1])
+    values: dict[str, Any] = {
+        "NVMLError": NVMLError, "nvmlInit": lambda: None, "nvmlShutdown": lambda: None,
+        "nvmlDeviceGetCount": lambda: count, "nvmlDeviceGetHandleByIndex": handle,
+        "nvmlDeviceGetCudaComputeCapability": lambda h: (major, minor),
+        "nvmlDeviceGetName": lambda h: "emulated accelerator", "nvmlDeviceGetMemoryInfo": lambda h: Memory(),
+        "nvmlDeviceGetP2PStatus": lambda a, b, kind: 0, "NVML_P2P_CAPS_INDEX_NVLINK": 0, "NVML_P2P_STATUS_OK": 0,
+    }
+    for name, value in values.items():
+        setattr(nvml, name, value)
+    return nvml
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after a module is imported (the real module, found by the other finders)."""
+
+    def __init__(self, patches: dict[str, Callable[[types.ModuleType], None]]) -> None:
+        self.patches = patches
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def patched(module: types.ModuleType) -> None:
+            exec_module(module)
+            patch(module)
+
+        loader.exec_module = patched  # type: ignore[method-assign]
+        return spec
+
+
+def emulate(devices: dict[str, Any]) -> None:
+    """The recipe's accelerators in this Python (idempotent): the pynvml above, and vLLM's stateless device count."""
+    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        return
+    count = int(devices["count"])
+    sys.modules["pynvml"] = emulated_nvml(count, float(devices["memory_gb"]), devices.get("capability", (7, 0)))
+
+    def device_count(module: types.ModuleType) -> None:
+        module._cuda_device_count_stateless = lambda *args: count  # type: ignore[attr-defined]
+
+    sys.meta_path.insert(0, _AfterImport({"vllm.utils": device_count}))
+    RECORD["devices"] = dict(devices)
+    _record_at_exit()
+
+
 SITECUSTOMIZE = '''\
-"""Written by toolkit: stand-ins for the GPU libraries named in TOOLKIT_GPU_STANDINS (see toolkit_standins)."""
+"""Written by toolkit: in every Python the runtime starts (children included), the stand-ins for the GPU libraries
+named in TOOLKIT_GPU_STANDINS and the devices of TOOLKIT_EMULATED_DEVICES (see toolkit_standins)."""
+import json
 import os
 
 if os.environ.get("TOOLKIT_GPU_STANDINS"):
     import toolkit_standins
 
-    toolkit_standins.install(os.environ["TOOLKIT_GPU_STANDINS"].split(","))
+    toolkit_standins.install(os.environ["TOOLKIT_GPU_STANDINS"].split(","),
+                             os.environ.get("TOOLKIT_GPU_ABSENT", "").split(","))
+if os.environ.get("TOOLKIT_EMULATED_DEVICES"):
+    import toolkit_standins
+
+    toolkit_standins.emulate(json.loads(os.environ["TOOLKIT_EMULATED_DEVICES"]))
 '''
 
 
@@ -175,6 +283,12 @@ def site_dir(cache: Path) -> Path:
     return folder
 
 
-def environment(cache: Path, libraries: Sequence[str], paths: Sequence[Path]) -> dict[str, str]:
-    """PYTHONPATH (the stand-ins' folder, then `paths`) and the variable that turns the stand-ins on."""
-    return {"PYTHONPATH": os.pathsep.join([str(site_dir(cache)), *map(str, paths)]), ENV: ",".join(libraries)}
+def environment(cache: Path, libraries: Sequence[str], paths: Sequence[Path], absent: Sequence[str] = (),
+                devices: dict[str, Any] | None = None) -> dict[str, str]:
+    """PYTHONPATH (the stand-ins' folder, then `paths`) and the variables that turn the stand-ins (and the device
+    emulation) on: inherited by every child process, whose sitecustomize applies the same."""
+    env = {"PYTHONPATH": os.pathsep.join([str(site_dir(cache)), *map(str, paths)]), ENV: ",".join(libraries),
+           ABSENT_ENV: ",".join(absent)}
+    if devices is not None:
+        env[DEVICES_ENV] = json.dumps(devices)
+    return env
