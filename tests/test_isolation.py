@@ -5,6 +5,7 @@ library's `profile`, which cProfile imports while torch loads; a warm cache hid 
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,26 @@ from toolkit.runtime.preflight import STAGES
 
 # every script the toolkit runs by path in another Python
 SCRIPTS = (cpu_server.TINY_MODEL_SCRIPT, STAGES)
-ALWAYS_PLANTED = ("profile", "queue")  # the name that broke, and one more that torch and vLLM import
+# the name that broke, one more that torch and vLLM import, and what the bootstrap itself imports (runpy is not
+# frozen on 3.10, and it imports types)
+ALWAYS_PLANTED = ("profile", "queue", "runpy", "types")
+
+
+def _pythons() -> list[str]:
+    """This Python and every other CPython 3.10+ that runs on this machine (the runtime may be 3.10, the image's
+    is): on PATH, or installed by pyenv (whose shims answer only for the selected versions)."""
+    candidates = [shutil.which(f"python3.{minor}") for minor in range(10, 15)]
+    candidates += [str(p) for p in sorted(Path.home().glob(".pyenv/versions/3.1[0-9]*/bin/python3"))]
+    found = {sys.executable}
+    for exe in filter(None, candidates):
+        probe = subprocess.run([exe, "-c", "import sys; print(sys.version_info >= (3, 10))"], capture_output=True,
+                               text=True)
+        if probe.returncode == 0 and probe.stdout.strip() == "True":
+            found.add(exe)
+    return sorted(found)
+
+
+PYTHONS = _pythons()
 
 
 def _top_imports(path: Path) -> set[str]:
@@ -37,27 +57,31 @@ def _plant(folder: Path, names: set[str]) -> None:
         (folder / f"{name}.py").write_text(f"raise ImportError('shadowed: {name}')\n")
 
 
+@pytest.mark.parametrize("python", PYTHONS)
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_script_siblings_cannot_shadow_the_standard_library(script: Path, tmp_path: Path) -> None:
-    """The script beside modules named like every standard-library module it imports (and profile, queue): run
-    as the toolkit runs it, none of them is imported. The plain `python script.py` is the control: there they are."""
+def test_script_siblings_cannot_shadow_the_standard_library(script: Path, python: str, tmp_path: Path) -> None:
+    """The script beside modules named like every standard-library module it imports (and profile, queue, runpy,
+    types), run from that folder as the toolkit runs it: none of them is imported. The plain `python script.py` is
+    the control: there they are."""
     copy = tmp_path / script.name
     shutil.copy(script, copy)
     stdlib = {n for n in _top_imports(script) if n in sys.stdlib_module_names}
     _plant(tmp_path, stdlib | set(ALWAYS_PLANTED))
-    plain = subprocess.run([sys.executable, str(copy)], capture_output=True, text=True, input="", timeout=120)
+    plain = subprocess.run([python, str(copy)], capture_output=True, text=True, input="", timeout=120,
+                           cwd=tmp_path)
     assert "shadowed:" in plain.stderr, "the control did not meet a planted module: the test plants nothing real"
-    isolated = subprocess.run(pyenv.script(sys.executable, copy), capture_output=True, text=True, input="",
-                              timeout=120)
+    isolated = subprocess.run(pyenv.script(python, copy), capture_output=True, text=True, input="", timeout=120,
+                              cwd=tmp_path)
     assert "shadowed:" not in isolated.stderr, isolated.stderr[-2000:]
 
 
-def test_isolated_code_ignores_the_working_directory(tmp_path: Path) -> None:
-    _plant(tmp_path, {"queue", "profile"})
+@pytest.mark.parametrize("python", PYTHONS)
+def test_isolated_code_ignores_the_working_directory(python: str, tmp_path: Path) -> None:
+    _plant(tmp_path, {"queue", "profile", "runpy", "types"})
     source = "import cProfile, queue, sys\nprint(queue.__file__, cProfile.__file__, sys.argv[1:])\n"
-    plain = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, capture_output=True, text=True)
+    plain = subprocess.run([python, "-c", source], cwd=tmp_path, capture_output=True, text=True)
     assert "shadowed:" in plain.stderr
-    proc = subprocess.run(pyenv.code(sys.executable, source, "a", "b"), cwd=tmp_path, capture_output=True,
+    proc = subprocess.run(pyenv.code(python, source, "a", "b"), cwd=tmp_path, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
     queue_file, profile_file, args = proc.stdout.split(" ", 2)
@@ -79,8 +103,19 @@ def test_build_key_sees_builders_files_pins(tmp_path: Path) -> None:
     base = pyenv.build_key("pin==1", files=[builder])
     assert pyenv.build_key("pin==1", files=[builder]) == base
     assert pyenv.build_key("pin==2", files=[builder]) != base
+    (tmp_path / "empty.py").write_text("")
+    assert pyenv.build_key("pin==1", files=[builder, tmp_path / "empty.py"]) != base  # a new (empty) file
+    renamed = builder.rename(tmp_path / "other.py")
+    assert pyenv.build_key("pin==1", files=[renamed]) != base  # the same bytes under another name
+    renamed.rename(builder)
     builder.write_text("two\n")
     assert pyenv.build_key("pin==1", files=[builder]) != base
+    # stable across processes (nothing in it depends on hash seeds or ids)
+    code = ("from pathlib import Path; from toolkit import pyenv; "
+            f"print(pyenv.build_key('pin==1', files=[Path({str(builder)!r})]))")
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
+    assert keys == {pyenv.build_key("pin==1", files=[builder])}
 
     def fill_a() -> None:
         pass

@@ -374,3 +374,22 @@ def test_prefix_state_lint_names_the_failure_and_the_fix(tmp_path: Path, cli) ->
 
 def line_of(path: Path, start: str) -> int:
     return next(n for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith(start))
+
+
+def test_a_deployed_reader_that_does_not_load_is_an_issue_not_a_crash(tmp_path: Path) -> None:
+    """The reader checks its own table when imported; lint loads it and reports why it does not load."""
+    import shutil
+
+    patches = tmp_path / "patches"
+    shutil.copytree(REPO / "patches" / "src", patches)
+    table_file = patches / "native_fastpaths" / "switches.json"
+    table = json.loads(table_file.read_text())
+    table["PREFIX_STATE"]["type"] = "bool"
+    table_file.write_text(json.dumps(table))
+
+    def broken(data: dict[str, Any]) -> None:
+        data["patches"] = str(patches)
+
+    found = issues_of(write(tmp_path, broken), "switch-value")
+    assert len(found) == 1 and found[0].severity is Severity.ERROR, found
+    assert "does not load: SwitchError:" in found[0].message and "PREFIX_STATE: type 'bool'" in found[0].message

@@ -185,3 +185,50 @@ def test_the_missing_module_the_error_names(tmp_path: Path) -> None:
     other = import_failure(loaded, tree, {"type": "ImportError", "message": "cannot import name X",
                                            "where": "vllm/sequence.py:3"})
     assert "vllm/sequence.py:3" in other.message
+
+
+def test_an_absent_submodule_fails_as_on_the_image_by_import_and_by_attribute(tmp_path: Path) -> None:
+    (tmp_path / "tree").mkdir()
+    env = dict(os.environ, **standins.environment(tmp_path / "cache", ["ixformer"], [tmp_path / "tree"],
+                                                  ["ixformer.contrib.vllm_flash_attn"]),
+               TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "record.json"))
+    code = textwrap.dedent("""
+        import json
+        import ixformer
+        out = {"class_path": hasattr(ixformer.contrib, "vllm_flash_attn")}  # contrib not imported: a stand-in class
+        import ixformer.contrib
+        from ixformer.contrib.xformers import ops  # a sibling of the absent one is there
+        out |= {"attribute": hasattr(ixformer.contrib, "vllm_flash_attn"),
+               "class_attribute": hasattr(ixformer.functions, "vllm_flash_attn")}
+        try:
+            from ixformer.contrib.vllm_flash_attn import flash_attn_varlen_func
+            out["import"] = "imported"
+        except ImportError as exc:
+            out["import"] = type(exc).__name__
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"class_path": False, "attribute": False, "class_attribute": True,
+                                       "import": "ModuleNotFoundError"}
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["absent"] == ["ixformer.contrib.vllm_flash_attn"]
+    assert "ixformer.contrib.vllm_flash_attn" in record["absent_imports"]
+
+
+def test_the_emulated_devices_hold_in_a_child_python(tmp_path: Path) -> None:
+    """pynvml and vLLM's device count, from the environment, in the Python it starts and in that one's child."""
+    fake_vllm = tmp_path / "tree" / "vllm"
+    fake_vllm.mkdir(parents=True)
+    (fake_vllm / "__init__.py").write_text("")
+    (fake_vllm / "utils.py").write_text("def _cuda_device_count_stateless(v=None):\n    return 0\n")
+    env = dict(os.environ, **standins.environment(tmp_path / "cache", ["ixformer"], [tmp_path / "tree"],
+                                                  devices={"count": 4, "memory_gb": 32, "capability": [7, 0]}))
+    child = ("import json, pynvml, vllm.utils; h = pynvml.nvmlDeviceGetHandleByIndex(3); "
+             "print(json.dumps([pynvml.nvmlDeviceGetCount(), pynvml.nvmlDeviceGetMemoryInfo(h).total, "
+             "vllm.utils._cuda_device_count_stateless()]))")
+    parent = f"import subprocess, sys; print(subprocess.run([sys.executable, '-c', {child!r}], " \
+             "capture_output=True, text=True, check=True).stdout)"
+    proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [4, 32 * 2**30, 4]

@@ -18,13 +18,14 @@ TORCH = "torch==2.13.0"  # the CPU wheel this machine's pip finds; a plain `torc
 
 # Python puts a script's own folder (or, for -c, the working directory) first on sys.path, so a sibling named like
 # a standard-library module (toolkit/bench/profile.py, imported by cProfile while torch loads) shadows it. Every
-# script the toolkit runs in another Python starts through this bootstrap instead: that entry is dropped before
-# the script runs. Not -I (it ignores PYTHONPATH, which the runtime's stand-ins and trees need) and not -P
-# (Python 3.11+; the runtime may be 3.10).
-ISOLATE = ("import runpy, sys\n"
+# script the toolkit runs in another Python starts through this bootstrap instead: run with -c, the only entry
+# Python adds is the working directory, which is dropped before anything else is imported (runpy, and what it
+# imports, included); runpy.run_path then runs the script without adding its folder. Not -I (it ignores
+# PYTHONPATH, which the runtime's stand-ins and trees need) and not -P (Python 3.11+; the runtime may be 3.10).
+ISOLATE = ("import sys\n"  # sys is built in: nothing on the path can shadow it
            "if not getattr(sys.flags, 'safe_path', False):\n"
            "    del sys.path[0]\n")
-_RUN_SCRIPT = ISOLATE + "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+_RUN_SCRIPT = ISOLATE + "import runpy\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
 
 
 def script(python: Path | str, path: Path, *args: str) -> list[str]:
@@ -45,8 +46,9 @@ def build_key(*parts: object, builders: Sequence[Callable[..., object]] = (), fi
                               sys.implementation.cache_tag]).encode())
     for builder in builders:
         digest.update(inspect.getsource(builder).encode())
-    for file in files:
-        digest.update(file.read_bytes())
+    for file in files:  # by name and content: a rename or a new empty file changes the key too
+        data = file.read_bytes()
+        digest.update(f"{'/'.join(file.parts[-2:])}\0{len(data)}\0".encode() + hashlib.sha256(data).digest())
     return digest.hexdigest()[:12]
 
 

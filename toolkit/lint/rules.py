@@ -295,25 +295,38 @@ def env_unread(ctx: LintContext) -> Iterator[Issue]:
                     "remove it, or add the dispatch/deploy that reads it", ctx.line_of_env(name))
 
 
-def switch_readers(deployed: list[Path]) -> list[tuple[Path, Any]]:
+def switch_readers(deployed: list[Path]) -> list[tuple[Path, Any, str | None]]:
     """Each deployed package's strict switch reader (a switches.py beside a switches.json), loaded from its file:
-    lint judges a value with the very code the server will run, not a second parser."""
-    readers: list[tuple[Path, Any]] = []
+    lint judges a value with the very code the server will run, not a second parser. A reader that does not load
+    (a broken table, an older copy without problem()/allowed()) comes back with why, and no module."""
+    readers: list[tuple[Path, Any, str | None]] = []
     for path in deployed:
         reader = path / "switches.py"
-        if path.is_dir() and reader.is_file() and (path / "switches.json").is_file():
-            spec = importlib.util.spec_from_file_location(f"_toolkit_lint_switches_{len(readers)}", reader)
-            if spec is None or spec.loader is None:
-                continue
-            module = importlib.util.module_from_spec(spec)
+        if not (path.is_dir() and reader.is_file() and (path / "switches.json").is_file()):
+            continue
+        spec = importlib.util.spec_from_file_location(f"_toolkit_lint_switches_{len(readers)}", reader)
+        if spec is None or spec.loader is None:
+            continue
+        module = importlib.util.module_from_spec(spec)
+        try:
             spec.loader.exec_module(module)
-            readers.append((reader, module))
+        except Exception as exc:  # the reader raises the same at the server's first read: say so here
+            readers.append((reader, None, f"{type(exc).__name__}: {exc}"))
+            continue
+        missing = [f for f in ("TABLE", "problem", "allowed") if not hasattr(module, f)]
+        why = f"it has no {', '.join(missing)} (an older copy of the toolkit's reader?)" if missing else None
+        readers.append((reader, None if missing else module, why))
     return readers
 
 
 @rule("switch-value", E, "an env switch set to a value its table does not allow (the server refuses to start)")
 def switch_value(ctx: LintContext) -> Iterator[Issue]:
-    for reader, module in switch_readers(ctx.deployed_paths):
+    for reader, module, broken in switch_readers(ctx.deployed_paths):
+        if module is None:
+            yield Issue("switch-value", E, f"the deployed switch reader {reader} does not load: {broken}",
+                        f"fix {reader.with_name('switches.json')} or {reader} (copy the toolkit's "
+                        "patches/src/native_fastpaths/ pair)", ctx.loaded.line_of("patches"))
+            continue
         for name, raw in ctx.recipe.env.items():
             if name in module.TABLE and (why := module.problem(name, str(raw))):
                 yield Issue("switch-value", E, f"env {why} (the deployed {reader.parent.name}/switches.py raises on "

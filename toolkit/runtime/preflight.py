@@ -262,8 +262,7 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
             outcomes.append(outcome)
         # both accountings come from the served config's classes; a fallback config serializes one of them
         switch = recipe.model.layers_block_type if recipe.model is not None and not fallback else None
-        request = {"hardware": {"count": recipe.hardware.count, "memory_gb": recipe.hardware.memory_gb},
-                   "kv_switch": switch.model_dump() if not isinstance(switch, bool | None) else None,
+        request = {"kv_switch": switch.model_dump() if not isinstance(switch, bool | None) else None,
                    "attention_backends": recipe.base_image.attention_backends,
                    "prefix_state": recipe.model.prefix_state if recipe.model is not None and not missing_sources
                    else None,
@@ -433,6 +432,9 @@ def standins_summary(record: dict[str, Any]) -> str | None:
     devices = record.get("devices")
     emulated = (f"; emulated {devices['count']} device(s) of {devices['memory_gb']:g} GiB in every Python it started"
                 if devices else "")
+    misses = sorted(set(record.get("patch_misses") or []))
+    if misses:
+        emulated += f" (NOT patched, so the device count there is the CPU's: {', '.join(misses)})"
     return (f"stood in for the image's GPU libraries ({', '.join(libraries)}): {len(modules)} module(s): {used}; "
             f"{called}{refused}{emulated}")
 

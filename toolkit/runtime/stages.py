@@ -187,8 +187,8 @@ def _attention(request: dict[str, Any], config: Any) -> list[dict[str, Any]]:
     if backend not in loadable:
         message = f"{why}, which the image cannot load (it has {', '.join(loadable)}): the model fails to load"
     elif expected and backend != expected:
-        message = (f"{why}, but lint expects {expected} (VLLM_ATTENTION_BACKEND or base_image.attention_backends[0]): "
-                   "the recipe and the vendor's selector disagree")
+        message = (f"{why}, but the recipe expects {expected} (VLLM_ATTENTION_BACKEND, else "
+                   "base_image.attention_backends[0], as lint reads it): the recipe and the vendor's selector disagree")
     else:
         message = why
     ok = backend in loadable and (not expected or backend == expected)

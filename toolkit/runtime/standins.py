@@ -43,7 +43,7 @@ class StandInCalled(RuntimeError):
 
 
 RECORD: dict[str, Any] = {"libraries": [], "modules": [], "calls": [], "absent": [], "absent_imports": [],
-                         "devices": None}
+                         "devices": None, "patched": [], "patch_misses": []}
 _CLASSES: dict[str, type] = {}
 
 
@@ -79,6 +79,8 @@ class _StandInMeta(type):
     def __getattr__(cls, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
+        if _under(f"{cls._standin_name}.{name}", _StandInModule.absent):
+            raise AttributeError(f"{cls._standin_name}.{name} is absent from the image")
         return standin(f"{cls._standin_name}.{name}")
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -217,19 +219,20 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         patch = self.patches.get(fullname)
-        if patch is None:
+        if patch is None or (path is None and "." in fullname):  # a submodule is looked up in its package's path
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
+        exec_module = getattr(spec.loader, "exec_module", None) if spec is not None else None
+        if spec is None or spec.loader is None or exec_module is None:
+            RECORD["patch_misses"].append(fullname)  # said in the report: the emulation is incomplete there
             return None
-        loader = spec.loader
-        exec_module = loader.exec_module
 
         def patched(module: types.ModuleType) -> None:
             exec_module(module)
             patch(module)
+            RECORD["patched"].append(fullname)
 
-        loader.exec_module = patched  # type: ignore[method-assign]
+        spec.loader.exec_module = patched  # type: ignore[method-assign]
         return spec
 
 

@@ -38,6 +38,10 @@ INTERVAL = "PREFIX_STATE_INTERVAL"
 
 Key = tuple[int, int]  # (number of blocks, chained content hash of those blocks)
 
+# imported by the scheduler when the server starts: every switch the environment sets is judged there, so a bad
+# value (PREFIX_STATE_INTERVAL=4k, MOE_NATIVE=true) stops the start instead of the first request
+switches.check_environment()
+
 
 def enabled() -> bool:
     return switches.on(SWITCH)
@@ -136,6 +140,9 @@ def limit_hit(scheduler: Any, seq_group: Any, computed_block_nums: list[int], to
 
     prompt_end = (seq.data.get_len() // block_size) * block_size
     interval = switches.count(INTERVAL)
+    if interval % block_size:
+        raise ValueError(f"{INTERVAL}={interval} is not a multiple of the block size {block_size}: its capture "
+                         "points would never fall on a block boundary (no checkpoint would be taken there)")
     points = {prompt_end, hit * block_size}
     if interval:
         points.update(range(interval, end + 1, interval))

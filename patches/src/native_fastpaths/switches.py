@@ -16,10 +16,11 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-TABLE: dict[str, dict[str, object]] = json.loads(
-    Path(__file__).with_name("switches.json").read_text(encoding="utf-8"))
-DEFAULTS = {name: str(entry["default"]) for name, entry in TABLE.items()}
+TABLE_FILE = Path(__file__).with_name("switches.json")
+TABLE: dict[str, dict[str, Any]] = json.loads(TABLE_FILE.read_text(encoding="utf-8"))
+TYPES = ("flag", "count", "choice", "text")
 FLAG = ("0", "1")
 
 
@@ -36,7 +37,7 @@ def allowed(name: str) -> str:
     if kind == "count":
         return "a whole number >= 0 in plain digits"
     if kind == "choice":
-        return "one of " + ", ".join(map(str, entry["values"]))  # type: ignore[attr-defined]
+        return "one of " + ", ".join(entry["values"])
     return "any text"
 
 
@@ -51,10 +52,41 @@ def problem(name: str, raw: str) -> str | None:
     elif kind == "count":
         ok = raw.isascii() and raw.isdigit() and (raw == "0" or not raw.startswith("0"))
     elif kind == "choice":
-        ok = raw in entry["values"]  # type: ignore[operator]
+        ok = raw in entry["values"]
     else:
         ok = kind == "text"
     return None if ok else f"{name}={raw!r}: expected {allowed(name)}"
+
+
+def _check_table() -> dict[str, str]:
+    """The table itself is sound (else nothing it says can be trusted): each entry has a known type, a choice lists
+    its values, and its default is one of its own allowed values. Returns the defaults."""
+    defaults = {}
+    for name, entry in TABLE.items():
+        where = f"{TABLE_FILE}: {name}"
+        if entry.get("type") not in TYPES:
+            raise SwitchError(f"{where}: type {entry.get('type')!r} is not one of {', '.join(TYPES)}")
+        values = entry.get("values")
+        if entry["type"] == "choice" and not (isinstance(values, list) and values
+                                              and all(isinstance(v, str) for v in values)):
+            raise SwitchError(f"{where}: a choice lists its values as strings, got {values!r}")
+        if not isinstance(entry.get("default"), str):
+            raise SwitchError(f"{where}: no default (a string), got {entry.get('default')!r}")
+        why = problem(name, entry["default"])
+        if why is not None:
+            raise SwitchError(f"{where}: its default is not allowed ({why})")
+        defaults[name] = entry["default"]
+    return defaults
+
+
+def check_environment() -> None:
+    """Every switch of the table that the environment sets, judged now: called when the server imports the
+    scheduler's hooks (prefix_state), so a bad value stops the server at start, not at its first request."""
+    for name in TABLE:
+        raw = os.environ.get(name)
+        if raw is not None and (why := problem(name, raw)) is not None:
+            raise SwitchError(f"{why} (set in the environment; checked at start by {_caller(2)}; the table is "
+                              f"{TABLE_FILE})")
 
 
 def _caller(depth: int) -> str:
@@ -67,27 +99,33 @@ def value(name: str, _depth: int = 2) -> str:
     raw = os.environ.get(name, DEFAULTS.get(name, ""))
     why = problem(name, raw)
     if why is not None:
-        table = Path(__file__).with_name("switches.json")
-        raise SwitchError(f"{why} (read at {_caller(_depth)}; the table is {table})")
+        raise SwitchError(f"{why} (read at {_caller(_depth)}; the table is {TABLE_FILE})")
     return raw
+
+
+def _typed(name: str, kind: str, depth: int) -> str:
+    if TABLE.get(name, {}).get("type") != kind:
+        known = ", ".join(n for n, e in TABLE.items() if e["type"] == kind)
+        raise SwitchError(f"{name} is not a {kind} switch of {TABLE_FILE} (read at {_caller(depth)}; its "
+                          f"{kind} switches: {known})")
+    return value(name, depth + 1)
 
 
 def on(name: str) -> bool:
     """A flag switch: True for "1", False for "0", anything else raises."""
-    if TABLE.get(name, {}).get("type") != "flag":
-        raise SwitchError(f"{name} is not a flag switch (read at {_caller(2)})")
-    return value(name, 3) == "1"
+    return _typed(name, "flag", 3) == "1"
 
 
-def count(name: str) -> int:
-    if TABLE.get(name, {}).get("type") != "count":
-        raise SwitchError(f"{name} is not a count switch (read at {_caller(2)})")
-    return int(value(name, 3))
+def count(name: str, _depth: int = 3) -> int:
+    return int(_typed(name, "count", _depth))
 
 
 def small_batch_variant() -> str:
-    return value("MOE_SMALL_BATCH_VARIANT", 3)
+    return _typed("MOE_SMALL_BATCH_VARIANT", "choice", 3)
 
 
 def small_batch_threshold() -> int:
-    return count("MOE_SMALL_BATCH_THRESHOLD")
+    return count("MOE_SMALL_BATCH_THRESHOLD", 4)
+
+
+DEFAULTS = _check_table()
