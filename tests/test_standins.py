@@ -40,7 +40,7 @@ class Mask(BlockDiagonalCausalMask):   # the tree subclasses a library class and
 
 
 def forward(x):
-    return ixf_F.silu_and_mul(x)
+    return ixf_F.moe_align_block_size(x)  # no CPU reference: it raises
 
 
 def linear(x, w):
@@ -87,18 +87,19 @@ def test_a_tree_that_imports_them_imports_and_a_call_names_library_attribute_and
     assert out["mask"] == 3 and out["subclass"] and out["same"] and out["isinstance"]
     kind, message = out["forward"]
     assert kind == "StandInCalled"
-    assert message.startswith("ixformer.functions.silu_and_mul called from ")
-    assert f"vendormod.py:{line_of('silu_and_mul')}" in message
+    assert message.startswith("ixformer.functions.moe_align_block_size called from ")
+    assert f"vendormod.py:{line_of('moe_align_block_size')}" in message
     assert "GPU library of the image" in message and "base_image.gpu_libraries" in message
     assert out["kernel"].startswith("xformers.ops.register_op(...) called from")
     record = json.loads((tmp_path / "record.json").read_text())
     assert record["libraries"] == ["ixformer", "xformers"]
     assert {"ixformer", "ixformer.functions", "xformers.ops.fmha.attn_bias"} <= set(record["modules"])
-    assert [c["name"] for c in record["calls"]] == ["ixformer.functions.silu_and_mul", "xformers.ops.register_op(...)"]
+    assert [c["name"] for c in record["calls"]] == ["ixformer.functions.moe_align_block_size",
+                                                    "xformers.ops.register_op(...)"]
 
 
-def test_a_mapped_call_runs_its_pytorch_equivalent(tmp_path: Path) -> None:
-    pytest.importorskip("torch", reason="the mapped call is torch's linear")
+def test_a_call_with_a_cpu_reference_computes_it(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="the references are plain torch")
     proc = run(tmp_path, """
         import torch, vendormod
         x, w = torch.randn(3, 4), torch.randn(5, 4)
@@ -108,7 +109,8 @@ def test_a_mapped_call_runs_its_pytorch_equivalent(tmp_path: Path) -> None:
     assert float(proc.stdout) < 1e-6
     calls = json.loads((tmp_path / "record.json").read_text())["calls"]
     assert calls == [{"name": "ixformer.functions.linear", "where": calls[0]["where"],
-                      "mapped": "torch.nn.functional:linear"}]
+                      "mapped": "reference ixformer.functions.linear"}]
+    assert json.loads((tmp_path / "record.json").read_text())["computed"] == {"ixformer.functions.linear": 1}
     assert calls[0]["where"].endswith(f"vendormod.py:{line_of('ixf_F.linear')}")
 
 

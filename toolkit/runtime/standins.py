@@ -10,7 +10,8 @@ the preflight's stand-in pynvml is. A stand-in library is added at the end of th
 is really installed wins. Under it every submodule imports and every attribute resolves (to a class, so the tree
 can subclass it, annotate with it and decorate with it at import time); a call from inside a function, the point
 where the image would run GPU code, raises `StandInCalled` naming the library, the attribute and the caller's
-file:line, except the few calls in MAPPED, which run their PyTorch equivalent (and are recorded as such).
+file:line, except the functions that have a CPU reference (toolkit/runtime/references: the vendor's signature and
+in-place semantics in plain torch), which compute, and are recorded with how often they ran.
 """
 
 from __future__ import annotations
@@ -31,11 +32,7 @@ ENV = "TOOLKIT_GPU_STANDINS"  # the libraries to stand in, comma-separated
 ABSENT_ENV = "TOOLKIT_GPU_ABSENT"  # submodules of them the image lacks (they fail to import), comma-separated
 DEVICES_ENV = "TOOLKIT_EMULATED_DEVICES"  # JSON {"count", "memory_gb", "capability": [major, minor]}
 RECORD_ENV = "TOOLKIT_GPU_STANDINS_RECORD"  # a file the record is written to at exit (JSON)
-# calls the vendor tree makes on the paths preflight and the runtime tests run, and what does the same on a CPU:
-# the CoreX linear.py's forward calls ixformer.functions.linear where upstream calls torch.nn.functional.linear
-MAPPED: dict[str, str] = {
-    "ixformer.functions.linear": "torch.nn.functional:linear",
-}
+REFERENCES = Path(__file__).with_name("references")  # the CPU references (toolkit_references in the runtime)
 
 
 class StandInCalled(RuntimeError):
@@ -43,7 +40,7 @@ class StandInCalled(RuntimeError):
 
 
 RECORD: dict[str, Any] = {"libraries": [], "modules": [], "calls": [], "absent": [], "absent_imports": [],
-                         "devices": None, "patched": [], "patch_misses": []}
+                         "devices": None, "patched": [], "patch_misses": [], "computed": {}}
 _CLASSES: dict[str, type] = {}
 
 
@@ -65,10 +62,15 @@ def _at_definition_time(frame: types.FrameType | None) -> bool:
     return frame.f_code.co_name == "<module>" or ("__module__" in frame.f_locals and "__qualname__" in frame.f_locals)
 
 
-def _target(spec: str) -> Callable[..., Any]:
-    module, _, attr = spec.partition(":")
-    func: Callable[..., Any] = getattr(importlib.import_module(module), attr)
-    return func
+def _reference(name: str) -> Callable[..., Any] | None:
+    """The CPU reference of a stood-in function, if it has one (the registry is imported on the first call: torch
+    comes with it)."""
+    try:
+        registry = importlib.import_module("toolkit_references")  # beside this file in the runtime
+    except ModuleNotFoundError:
+        registry = importlib.import_module("toolkit.runtime.references")  # the toolkit's own, in its tests
+    found: Callable[..., Any] | None = registry.reference(name)
+    return found
 
 
 class _StandInMeta(type):
@@ -89,12 +91,14 @@ class _StandInMeta(type):
         name = cls._standin_name
         caller = sys._getframe(1)
         where = _where(caller)
-        if name in MAPPED:
-            RECORD["calls"].append({"name": name, "where": where, "mapped": MAPPED[name]})
-            return _target(MAPPED[name])(*args, **kwargs)
         if _at_definition_time(caller):
             # a decorator (or its factory) applied while a module or class is defined: stand in for the result
             return standin(f"{name}(...)")
+        reference = _reference(name)
+        if reference is not None:
+            RECORD["calls"].append({"name": name, "where": where, "mapped": f"reference {name}"})
+            RECORD["computed"][name] = RECORD["computed"].get(name, 0) + 1
+            return reference(*args, **kwargs)
         RECORD["calls"].append({"name": name, "where": where, "mapped": None})
         library = next((n for n in RECORD["libraries"] if name == n or name.startswith(n + ".")), name.split(".")[0])
         raise StandInCalled(f"{name} called from {where}: {library} is a GPU library of the image, stood in on this "
@@ -275,11 +279,15 @@ def site_dir(cache: Path) -> Path:
     import hashlib
 
     source = Path(__file__).read_text(encoding="utf-8")
-    key = hashlib.sha256((source + SITECUSTOMIZE).encode()).hexdigest()[:12]
+    references = {p.name: p.read_text(encoding="utf-8") for p in sorted(REFERENCES.glob("*.py"))}
+    key = hashlib.sha256((source + SITECUSTOMIZE + json.dumps(references)).encode()).hexdigest()[:12]
     folder = cache / f"standins-{key}"
     if not (folder / "sitecustomize.py").is_file():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "toolkit_standins.py").write_text(source, encoding="utf-8")
+        (folder / "toolkit_references").mkdir(exist_ok=True)
+        for name, text in references.items():
+            (folder / "toolkit_references" / name).write_text(text, encoding="utf-8")
         partial = folder / "sitecustomize.py.partial"
         partial.write_text(SITECUSTOMIZE, encoding="utf-8")
         partial.replace(folder / "sitecustomize.py")  # last: a folder without it is rewritten
