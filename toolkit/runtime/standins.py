@@ -247,8 +247,8 @@ def emulate(devices: dict[str, Any]) -> None:
     count = int(devices["count"])
     sys.modules["pynvml"] = emulated_nvml(count, float(devices["memory_gb"]), devices.get("capability", (7, 0)))
 
-    def device_count(module: types.ModuleType) -> None:
-        module._cuda_device_count_stateless = lambda *args: count  # type: ignore[attr-defined]
+    def device_count(vllm_utils: types.ModuleType) -> None:
+        vllm_utils._cuda_device_count_stateless = lambda *args: count  # type: ignore[attr-defined]
 
     sys.meta_path.insert(0, _AfterImport({"vllm.utils": device_count}))
     RECORD["devices"] = dict(devices)

@@ -250,8 +250,12 @@ class ProbeKind:
             assert isinstance(timed_fn, cst.FunctionDef)
             module = replace_nodes(module, {id(fn): lambda _: timed_fn}, self.spec.scope)
         elif self.run is None:
-            ours = cst.Decorator(decorator=cst.parse_expression(self._decorator()))
-            new_fn = fn.with_changes(decorators=[*fn.decorators, ours])
+            # innermost, right above the def: what stood between the decorators and the def (the vendor's
+            # commented-out @dump_input_when_exception) stays above ours
+            ours = cst.Decorator(decorator=cst.parse_expression(self._decorator()),
+                                 leading_lines=fn.lines_after_decorators if fn.decorators else ())
+            new_fn = fn.with_changes(decorators=[*fn.decorators, ours],
+                                     lines_after_decorators=() if fn.decorators else fn.lines_after_decorators)
             module = replace_nodes(module, {id(fn): lambda _: new_fn}, self.spec.scope)
         else:
             size = len(self.run)
