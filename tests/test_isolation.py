@@ -30,13 +30,13 @@ def _pythons() -> list[str]:
     is): on PATH, or installed by pyenv (whose shims answer only for the selected versions)."""
     candidates = [shutil.which(f"python3.{minor}") for minor in range(10, 15)]
     candidates += [str(p) for p in sorted(Path.home().glob(".pyenv/versions/3.1[0-9]*/bin/python3"))]
-    found = {sys.executable}
+    found = {os.path.realpath(sys.executable): sys.executable}  # one run per interpreter, however it is reached
     for exe in filter(None, candidates):
         probe = subprocess.run([exe, "-c", "import sys; print(sys.version_info >= (3, 10))"], capture_output=True,
                                text=True)
         if probe.returncode == 0 and probe.stdout.strip() == "True":
-            found.add(exe)
-    return sorted(found)
+            found.setdefault(os.path.realpath(exe), exe)
+    return sorted(found.values())
 
 
 PYTHONS = _pythons()
