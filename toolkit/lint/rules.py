@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import fnmatch
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from toolkit.lint.vllm_cli import (
 from toolkit.resources import resource
 from toolkit.results import Issue, Severity
 from toolkit.transforms.base import ModuleEdit
+from toolkit.transforms.dispatch import load_switch_reader
 
 E, W, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
 MULTI_STEP_BACKENDS = {"FLASH_ATTN", "ROCM_FLASH", "FLASHINFER"}
@@ -296,27 +296,10 @@ def env_unread(ctx: LintContext) -> Iterator[Issue]:
 
 
 def switch_readers(deployed: list[Path]) -> list[tuple[Path, Any, str | None]]:
-    """Each deployed package's strict switch reader (a switches.py beside a switches.json), loaded from its file:
-    lint judges a value with the very code the server will run, not a second parser. A reader that does not load
-    (a broken table, an older copy without problem()/allowed()) comes back with why, and no module."""
-    readers: list[tuple[Path, Any, str | None]] = []
-    for path in deployed:
-        reader = path / "switches.py"
-        if not (path.is_dir() and reader.is_file() and (path / "switches.json").is_file()):
-            continue
-        spec = importlib.util.spec_from_file_location(f"_toolkit_lint_switches_{len(readers)}", reader)
-        if spec is None or spec.loader is None:
-            continue
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:  # the reader raises the same at the server's first read: say so here
-            readers.append((reader, None, f"{type(exc).__name__}: {exc}"))
-            continue
-        missing = [f for f in ("TABLE", "problem", "allowed") if not hasattr(module, f)]
-        why = f"it has no {', '.join(missing)} (an older copy of the toolkit's reader?)" if missing else None
-        readers.append((reader, None if missing else module, why))
-    return readers
+    """Each deployed package's strict switch reader (a switches.py beside a switches.json), as the dispatch kind
+    loads it: lint judges a value with the very code the server will run, not a second parser."""
+    return [(path / "switches.py", *load_switch_reader(path)) for path in deployed
+            if path.is_dir() and (path / "switches.py").is_file() and (path / "switches.json").is_file()]
 
 
 @rule("switch-value", E, "an env switch set to a value its table does not allow (the server refuses to start)")

@@ -276,18 +276,18 @@ if os.environ.get("TOOLKIT_EMULATED_DEVICES"):
 def site_dir(cache: Path) -> Path:
     """A folder to put first on the runtime's PYTHONPATH: this module as `toolkit_standins` and a sitecustomize
     that installs it when TOOLKIT_GPU_STANDINS is set (written once per content under `cache`)."""
-    import hashlib
+    from toolkit.pyenv import build_key  # the toolkit's side only: in the runtime this file runs on its own
 
     source = Path(__file__).read_text(encoding="utf-8")
-    references = {p.name: p.read_text(encoding="utf-8") for p in sorted(REFERENCES.glob("*.py"))}
-    key = hashlib.sha256((source + SITECUSTOMIZE + json.dumps(references)).encode()).hexdigest()[:12]
-    folder = cache / f"standins-{key}"
+    references = sorted(REFERENCES.glob("*.py"))
+    folder = cache / f"standins-{build_key(SITECUSTOMIZE, files=[Path(__file__), *references])}"
     if not (folder / "sitecustomize.py").is_file():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "toolkit_standins.py").write_text(source, encoding="utf-8")
         (folder / "toolkit_references").mkdir(exist_ok=True)
-        for name, text in references.items():
-            (folder / "toolkit_references" / name).write_text(text, encoding="utf-8")
+        for reference in references:
+            (folder / "toolkit_references" / reference.name).write_text(reference.read_text(encoding="utf-8"),
+                                                                         encoding="utf-8")
         partial = folder / "sitecustomize.py.partial"
         partial.write_text(SITECUSTOMIZE, encoding="utf-8")
         partial.replace(folder / "sitecustomize.py")  # last: a folder without it is rewritten

@@ -12,8 +12,10 @@ goes through too: a value other than 0 or 1 raises there, so no dispatch can be 
 
 from __future__ import annotations
 
-import json
-from typing import Literal
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
 
 import libcst as cst
 from pydantic import Field
@@ -64,6 +66,31 @@ def _body_start(fn: cst.FunctionDef) -> int:
     return 0
 
 
+def load_switch_reader(folder: Path) -> tuple[Any, str | None]:
+    """A patches package's switch reader (its switches.py, which checks its switches.json when imported), loaded
+    from its file: the toolkit judges the table and the env with the code the server runs. (None, why) when it
+    does not load, or lacks what the toolkit calls (an older copy)."""
+    reader = folder / f"{SWITCH_READER}.py"
+    stamp = tuple((f.stat().st_mtime_ns, f.stat().st_size) for f in (reader, folder / SWITCH_TABLE))
+    return _load_switch_reader(str(reader), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_switch_reader(reader: str, stamp: tuple[tuple[int, int], ...]) -> tuple[Any, str | None]:
+    spec = importlib.util.spec_from_file_location(f"_toolkit_switches_{abs(hash((reader, stamp)))}", reader)
+    if spec is None or spec.loader is None:
+        return None, f"{reader} is not a Python module"
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the reader raises the same at the server's first read
+        return None, f"{type(exc).__name__}: {exc}"
+    missing = [f for f in ("TABLE", "problem", "allowed") if not hasattr(module, f)]
+    if missing:
+        return None, f"it has no {', '.join(missing)} (an older copy of the toolkit's reader?)"
+    return module, None
+
+
 class DispatchKind:
     def __init__(self, spec: Dispatch, ctx: Context) -> None:
         self.spec = spec
@@ -74,22 +101,23 @@ class DispatchKind:
 
     def _check_switch(self, ctx: Context) -> None:
         """The switch is a flag of the injected package's switches.json, whose default the recipe may restate, never
-        contradict; the package ships the table's reader too (the injected test calls it)."""
+        contradict; the package ships the table's reader too (the injected test calls it). The table is read
+        through that reader, as the server reads it."""
         package = self.module_name.split(".")[0]
-        table_file = ctx.patches_dir / package / SWITCH_TABLE
-        reader = table_file.with_name(SWITCH_READER + ".py")
-        if not table_file.is_file() or not reader.is_file():
+        folder = ctx.patches_dir / package
+        table_file = folder / SWITCH_TABLE
+        missing = next((f.name for f in (table_file, folder / f"{SWITCH_READER}.py") if not f.is_file()), None)
+        if missing is not None:
             raise ToolkitError(
-                f"transform {self.spec.id}: the dispatch's package {package} has no "
-                f"{SWITCH_TABLE if not table_file.is_file() else reader.name} under {ctx.patches_dir}: switch "
-                f"{self.spec.switch} must be read by the package's one strict reader",
+                f"transform {self.spec.id}: the dispatch's package {package} has no {missing} under "
+                f"{ctx.patches_dir}: switch {self.spec.switch} must be read by the package's one strict reader",
                 hint=f"ship {package}/{SWITCH_TABLE} (listing {self.spec.switch}: default, kind dispatch, type flag) "
                      f"and {package}/{SWITCH_READER}.py (copy the toolkit's patches/src/native_fastpaths/ pair)")
-        try:
-            table: dict[str, dict[str, str]] = json.loads(table_file.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ToolkitError(f"{table_file}:{exc.lineno}: not JSON ({exc.msg})") from None
-        entry = table.get(self.spec.switch, {})
+        reader, broken = load_switch_reader(folder)
+        if reader is None:
+            raise ToolkitError(f"transform {self.spec.id}: the switch reader of {package} does not load: {broken}",
+                               hint=f"fix {table_file} or {folder / SWITCH_READER}.py")
+        entry = reader.TABLE.get(self.spec.switch, {})
         listed = entry.get("default")
         if self.spec.default is not None and listed is not None and self.spec.default != listed:
             raise ToolkitError(
