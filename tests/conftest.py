@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from standin_adapter import make_repo
 
 from toolkit.cli import main
@@ -32,6 +33,43 @@ def pytest_configure(config: pytest.Config) -> None:
                          "[user]\n\tname = toolkit tests\n\temail = tests@localhost\n")
     os.environ["GIT_CONFIG_GLOBAL"] = str(gitconfig)
 FLAGSHIP = REPO / "recipes" / "bi100-qwen36.yaml"
+
+
+def flagship_data() -> dict[str, Any]:
+    """The flagship as its layers compose it (a fresh copy): what a test edits and writes out as one recipe file
+    (`patches: toolkit:` holds wherever that file is)."""
+    import copy
+
+    from toolkit.recipe import load_recipe
+
+    return copy.deepcopy(load_recipe(FLAGSHIP).located.data)
+
+
+class _RecipeStyle(yaml.SafeDumper):
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)  # list items indented under their key, as the recipes write them
+
+
+def recipe_text(data: dict[str, Any]) -> str:
+    """A recipe as one YAML file, in the committed recipes' layout (lists indented, no folding)."""
+    return yaml.dump(data, Dumper=_RecipeStyle, sort_keys=False, allow_unicode=True, width=10_000)
+
+
+def flagship_origin(needle: str, after: str | None = None) -> tuple[str, int]:
+    """(file, line) of the first line holding `needle` (after the first holding `after`) in the flagship's layers,
+    as a report's recipe_file / recipe_line name it."""
+    from toolkit.recipe import load_recipe
+
+    for layer in load_recipe(FLAGSHIP).layers:
+        lines = Path(layer).read_text().splitlines()
+        start = next((i for i, ln in enumerate(lines) if after in ln), None) if after else 0
+        if start is None:
+            continue
+        found = next((i + 1 for i, ln in enumerate(lines) if i >= start and needle in ln), None)
+        if found:
+            return layer, found
+    raise AssertionError(f"{needle!r} is in no layer of {FLAGSHIP}")
+
 # where the image's transformers lives (the adapter's handoff log); found there with find_spec, not declared
 TRANSFORMERS_SITE = "usr/local/lib/python3.10/site-packages"
 TRANSFORMERS_FILES = ("transformers/__init__.py", "transformers/models/__init__.py",

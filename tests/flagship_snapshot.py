@@ -47,9 +47,11 @@ def files_of(folder: Path, skip: tuple[str, ...] = (), unsaid: str = "") -> dict
 def recipe_part(recipe_path: Path) -> dict[str, Any]:
     from toolkit.recipe import load_recipe
 
-    recipe = load_recipe(recipe_path).recipe
-    data = recipe.model_dump(mode="json")
+    loaded = load_recipe(recipe_path)
+    data = loaded.recipe.model_dump(mode="json")
     transforms = data.pop("transforms")
+    # the folder, not how it is spelled: `../patches/src` from recipes/ and `toolkit:` in a checkout are one folder
+    data["patches"] = loaded.patches_dir.relative_to(REPO).as_posix()
     return {
         "transforms": [f"{t['id']} {t['kind']} {_sha(json.dumps(t, sort_keys=True).encode())[:16]}"
                        for t in transforms],

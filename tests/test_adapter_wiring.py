@@ -17,7 +17,7 @@ from typing import Any
 import git
 import pytest
 import yaml
-from conftest import FLAGSHIP, TRANSFORMERS_SITE, roots_of, transformers_site, tree_digest
+from conftest import FLAGSHIP, TRANSFORMERS_SITE, flagship_data, roots_of, transformers_site, tree_digest
 from standin_adapter import SOURCE
 
 from toolkit import __version__
@@ -217,7 +217,7 @@ def test_transformers_root_must_be_given_on_a_host(cli, corex_rootfs: Path, adap
 
 
 def _flagship_copy(tmp_path: Path, edit: Any) -> Path:
-    data = yaml.safe_load(FLAGSHIP.read_text())
+    data = flagship_data()
     data["patches"] = str(FLAGSHIP.parent.parent / "patches/src")
     edit(data)
     path = tmp_path / "bi100-qwen36.yaml"

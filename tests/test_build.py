@@ -11,7 +11,7 @@ from pathlib import Path
 import git
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO, roots_of, transformers_site
+from conftest import FLAGSHIP, REPO, flagship_data, roots_of, transformers_site
 
 from toolkit.recipe import load_recipe
 from toolkit.submission import build as submission
@@ -240,7 +240,7 @@ def test_in_image_step_fails_loudly_on_drift(bundled: Path, corex_rootfs: Path, 
 def test_in_image_step_runs_on_the_payload_alone(cli, adapter_args: list[str], corex_rootfs: Path,
                                                  transformers_455: Path, tmp_path: Path) -> None:
     """The image has none of this machine's packages: the step must run on the wheels the payload carries."""
-    data = yaml.safe_load(FLAGSHIP.read_text())
+    data = flagship_data()
     data["base_image"]["python"] = f"{sys.version_info[0]}.{sys.version_info[1]}"  # wheels this Python can load
     data["patches"] = str(REPO / "patches/src")
     recipe = tmp_path / "bi100-qwen36.yaml"

@@ -6,16 +6,16 @@ import shlex
 from pathlib import Path
 
 import yaml
-from conftest import FLAGSHIP, REPO, roots_of
+from conftest import FLAGSHIP, flagship_data, recipe_text, roots_of
 
 from toolkit.recipe import load_recipe
 
 
 def variant_of_flagship(tmp_path: Path, edit: str, new: str) -> Path:
-    text = FLAGSHIP.read_text()
+    text = recipe_text(flagship_data())
     assert text.count(edit) == 1, edit
     recipe = tmp_path / "typo.yaml"
-    recipe.write_text(text.replace(edit, new).replace("patches: ../patches/src", f"patches: {REPO / 'patches/src'}"))
+    recipe.write_text(text.replace(edit, new))
     return recipe
 
 

@@ -38,10 +38,10 @@ def test_rootfs_without_vendor_roots(cli, tmp_path: Path) -> None:
 
 def test_recipe_error_exit_code_and_location(cli, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(FLAGSHIP.read_text().replace("  count: 4\n", "  count: 4\n  colour: red\n"))
+    bad.write_text(f"include: {FLAGSHIP}\nhardware:\n  count: 4\n  colour: red\n")
     result = cli("apply", bad, "--rootfs", tmp_path)
     assert result.code == 2
-    assert f"{bad}:12:3: hardware.colour: unknown key 'colour'" in result.err
+    assert f"{bad}:4:3: hardware.colour: unknown key 'colour'" in result.err
 
 
 def test_console_script_is_installed() -> None:

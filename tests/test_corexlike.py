@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO, roots_of
+from conftest import FLAGSHIP, REPO, flagship_data, roots_of
 
 from toolkit.corexlike import COREX_DROPS, COREX_ONLY, VENDOR_EDITS
 from toolkit.recipe import load_recipe
@@ -90,7 +90,7 @@ def test_vendor_compare_names_063_and_exactly_the_files_the_fixture_changed(core
     assert "ixformer" in report["vendor_libraries"] and report["undeclared_gpu_libraries"] == []
     assert any("vendor.reference" in n and "is the closest candidate" in n for n in report["notes"])
     # a recipe that still says 0.6.3.post1 is told which release to name, here and by lint --rootfs
-    data = yaml.safe_load(FLAGSHIP.read_text())
+    data = flagship_data()
     data["patches"] = str(REPO / "patches/src")
     data["vendor"]["reference"] = "vllm==0.6.3.post1"
     data["base_image"]["gpu_libraries"] = ["xformers"]

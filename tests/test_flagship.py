@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import FLAGSHIP, TRANSFORMERS_SITE, roots_of, tree_digest
+from conftest import FLAGSHIP, TRANSFORMERS_SITE, flagship_origin, roots_of, tree_digest
 from standin_adapter import add_commit, replacement
 
 from toolkit.engine import writer
@@ -19,8 +19,8 @@ from toolkit.transforms.deploy import Deploy
 VENDOR_IDS = {t.id for t in load_recipe(FLAGSHIP).recipe.transforms}
 
 
-def line_of(needle: str) -> int:
-    return next(i + 1 for i, ln in enumerate(FLAGSHIP.read_text().splitlines()) if needle in ln)
+def origin_of(result: dict) -> tuple[str, int]:  # type: ignore[type-arg]
+    return result["recipe_file"], result["recipe_line"]
 
 
 def states(report: dict) -> dict[tuple[str, str], str]:  # type: ignore[type-arg]
@@ -160,9 +160,7 @@ def test_drifted_vendor_file_changes_nothing(cli, corex_rootfs: Path, flagship_a
     assert {r["transform"] for r in drifted} == {"unhardcode-enforce-eager"}
     message = drifted[0]["message"]
     assert "enforce_eager=bool(1)" in message and "ModelConfig" in message and "arg_utils.py" in message
-    lines = FLAGSHIP.read_text().splitlines()
-    start = line_of("- id: unhardcode-enforce-eager")
-    assert drifted[0]["recipe_line"] == next(i + 1 for i, ln in enumerate(lines) if i >= start and "old:" in ln)
+    assert origin_of(drifted[0]) == flagship_origin("old:", after="- id: unhardcode-enforce-eager")
 
 
 def test_a_replaced_vendor_file_that_changed_is_drift(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
@@ -177,7 +175,7 @@ def test_a_replaced_vendor_file_that_changed_is_drift(cli, corex_rootfs: Path, f
     found = [r for r in result.json()["results"] if r["transform"] == "adapter-replace-paged-attn"]
     assert [r["state"] for r in found] == ["DRIFTED", "DRIFTED"]
     assert all("the vendor file changed" in r["message"] and "toolkit diff" in r["message"] for r in found)
-    assert found[0]["recipe_line"] == line_of("- id: adapter-replace-paged-attn")
+    assert origin_of(found[0]) == flagship_origin("- id: adapter-replace-paged-attn")
 
 
 def test_the_real_image_expectations_are_checked(cli, corex_rootfs: Path, flagship_args: list[str],
@@ -323,7 +321,7 @@ def test_reference_085_reports_upstream_changes(cli, vllm_085: Path, adapter_arg
     # 0.8.5's protocol.py is not the file the adapter's replacement was made from: the contract says so
     replaced = got["adapter-replace-protocol"]
     assert replaced["state"] == "DRIFTED" and "the vendor file changed" in replaced["message"]
-    assert replaced["recipe_line"] == line_of("- id: adapter-replace-protocol")
+    assert origin_of(replaced) == flagship_origin("- id: adapter-replace-protocol")
     # the edit of the replacement still lands on the replacement's own content
     assert got["openai-accept-unknown-fields"]["state"] == "WOULD_APPLY"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import FLAGSHIP, switch_package, tree_digest
+from conftest import flagship_data, switch_package, tree_digest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +26,7 @@ from toolkit.inputs import rootfs_roots
 from toolkit.recipe import load_recipe, parse_recipe
 from toolkit.results import State
 
-FLAGSHIP_DATA = yaml.safe_load(FLAGSHIP.read_text())
+FLAGSHIP_DATA = flagship_data()
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True),
                  st.text(max_size=12), st.lists(st.text(max_size=4), max_size=3),
                  st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
@@ -76,7 +76,7 @@ def mutated_documents(draw: st.DrawFn) -> str:
 @given(mutated_documents())
 def test_the_loader_never_crashes_on_mutated_recipes(text: str) -> None:
     try:
-        recipe, _ = parse_recipe(text, "fuzzed.yaml")
+        recipe, _, _ = parse_recipe(text, "fuzzed.yaml")
     except RecipeError as exc:
         assert str(exc).startswith("fuzzed.yaml"), str(exc)  # every error names the file
         return

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO, TRANSFORMERS_FILES, transformers_site
+from conftest import FLAGSHIP, REPO, TRANSFORMERS_FILES, flagship_data, transformers_site
 
 from toolkit.corexlike import COREX_ROOTS
 from toolkit.recipe import load_recipe
@@ -49,7 +49,7 @@ def base_images(engine: Any, vllm_063: Path, transformers_455: Path) -> dict[str
 
 
 def recipe_for(tmp_path: Path, base: str) -> Path:
-    data = yaml.safe_load(FLAGSHIP.read_text())
+    data = flagship_data()
     data["base_image"].update(reference=base, python="3.11")
     data["patches"] = str(REPO / "patches" / "src")
     path = tmp_path / "bi100-qwen36.yaml"

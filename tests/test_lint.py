@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO
+from conftest import FLAGSHIP, REPO, flagship_data, flagship_origin
 
 from toolkit.errors import RecipeError
 from toolkit.lint import RULES, lint
@@ -18,7 +18,7 @@ from toolkit.recipe import load_recipe
 from toolkit.results import Severity
 from toolkit.variants import find as find_variant
 
-BASE: dict[str, Any] = yaml.safe_load(FLAGSHIP.read_text())
+BASE: dict[str, Any] = flagship_data()
 PRIOR_ART = sorted((REPO / "tests" / "recipes").glob("prior-*.yaml"))
 
 
@@ -261,9 +261,9 @@ def test_remove_when_holds_in_a_newer_image(tmp_path: Path, corex_rootfs: Path) 
     found = issues_of(FLAGSHIP, "provenance", rootfs=corex_rootfs)
     assert [i.message.split(":")[0] for i in found] == ["transform unhardcode-enforce-eager is SUPERSEDED in "
                                                         f"{corex_rootfs}"]
-    lines = FLAGSHIP.read_text().splitlines()
-    start = lines.index("  - id: unhardcode-enforce-eager")
-    assert found[0].line == next(i + 1 for i, ln in enumerate(lines) if i > start and "remove_when:" in ln)
+    assert found[0].origin is not None
+    assert (found[0].origin.file, found[0].origin.line) == flagship_origin("remove_when:",
+                                                                          after="- id: unhardcode-enforce-eager")
 
 
 def test_workdir_with_vllm_folder_in_the_image(tmp_path: Path, corex_rootfs: Path) -> None:
@@ -311,8 +311,7 @@ def test_lint_one_variant(cli) -> None:
     assert bad.code == 2
     issue = next(i for i in bad.json()["issues"] if i["severity"] == "error")
     assert issue["variant"] == "mnbt-8192_mns-1_ecp-false_hka-full-attention"
-    assert issue["line"] == next(i + 1 for i, ln in enumerate(FLAGSHIP.read_text().splitlines())
-                                 if "max-num-batched-tokens: [8192" in ln)
+    assert (issue["file"], issue["line"]) == flagship_origin("max-num-batched-tokens: [8192")
     missing = cli("lint", FLAGSHIP, "--variant", "nope")
     assert missing.code == 2 and "no variant 'nope'" in missing.err
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO
+from conftest import REPO, flagship_data
 
 from toolkit import __version__
 from toolkit.resources import LAYOUT
@@ -74,7 +74,7 @@ def run_installed(env_dir: Path, *argv: str, cwd: Path) -> subprocess.CompletedP
 
 def scratch_recipe(folder: Path) -> Path:
     """The flagship, kept in a user's own folder: it deploys the toolkit's own patches (`patches: toolkit:`)."""
-    data = yaml.safe_load(FLAGSHIP.read_text())
+    data = flagship_data()
     data["patches"] = "toolkit:"
     folder.mkdir(parents=True)
     path = folder / "bi100-qwen36.yaml"

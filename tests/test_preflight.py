@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO, roots_of, transformers_site, tree_digest
+from conftest import FLAGSHIP, REPO, flagship_data, roots_of, transformers_site, tree_digest
 
 from toolkit.recipe import load_recipe
 from toolkit.runtime import standins
@@ -30,7 +30,7 @@ def python() -> Path:
 
 
 def recipe_copy(tmp_path: Path, edit: Any) -> Path:
-    data = yaml.safe_load(FLAGSHIP.read_text())
+    data = flagship_data()
     data["patches"] = str(REPO / "patches/src")
     edit(data)
     tmp_path.mkdir(parents=True, exist_ok=True)

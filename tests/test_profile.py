@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FLAGSHIP, REPO, roots_of, transformers_site
+from conftest import FLAGSHIP, REPO, flagship_data, roots_of, transformers_site
 from test_preflight import runtime_env
 
 from toolkit.cli import main
@@ -350,7 +350,7 @@ def test_profile_the_flagship_probes_through_vllms_model_runner(cli, tmp_path: P
     assert not off_dir.exists()  # off: not even the folder
     assert profiled == unprofiled  # tokens, logit differences and spreads: probing changes nothing served
 
-    declared = {t["region"] for t in __import__("yaml").safe_load(FLAGSHIP.read_text())["transforms"]
+    declared = {t["region"] for t in flagship_data()["transforms"]
                 if t["kind"] == "probe"}
     result = cli("profile", on_dir, "--json")
     assert result.code == 0, result.err

@@ -11,7 +11,7 @@ import jsonschema
 import libcst as cst
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO
+from conftest import FLAGSHIP, REPO, flagship_data, flagship_origin, recipe_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +20,7 @@ from toolkit.recipe import json_schema, load_recipe, parse_recipe
 from toolkit.transforms.base import Context
 from toolkit.transforms.dict_entries import DictEntries, DictEntriesKind
 
-GOOD = FLAGSHIP.read_text()
+GOOD = recipe_text(flagship_data())  # the flagship as one file, its layers merged
 
 
 def error_for(text: str, name: str = "r.yaml") -> RecipeError:
@@ -38,7 +38,8 @@ def test_flagship_loads() -> None:
     assert loaded.recipe.name == "bi100-qwen36"
     assert loaded.recipe.vendor.roots == [
         "/usr/local/corex/lib/python3/dist-packages", "/usr/local/corex/lib64/python3/dist-packages"]
-    assert loaded.transform_line(0) == line_of(GOOD, "id: unhardcode-enforce-eager")
+    origin = loaded.transform_origin(0)
+    assert origin is not None and (origin.file, origin.line) == flagship_origin("id: unhardcode-enforce-eager")
 
 
 def test_bad_yaml_names_line_and_column() -> None:
@@ -212,10 +213,10 @@ def test_schema_and_loader_agree_and_valid_recipes_round_trip(data: dict[str, An
     assert accepted == (not schema_errors), f"loader: {why or 'accepts'}; schema: {schema_errors or 'accepts'}"
     if not accepted:
         return
-    recipe, _ = parse_recipe(yaml.safe_dump(data, allow_unicode=True), "generated.yaml")
+    recipe, _, _ = parse_recipe(yaml.safe_dump(data, allow_unicode=True), "generated.yaml")
     dumped = recipe.model_dump(mode="json", exclude_none=True)
     VALIDATOR.validate(dumped)
-    again, _ = parse_recipe(yaml.safe_dump(dumped, allow_unicode=True), "dumped.yaml")
+    again, _, _ = parse_recipe(yaml.safe_dump(dumped, allow_unicode=True), "dumped.yaml")
     assert again == recipe
 
 
@@ -322,7 +323,7 @@ def test_the_registry_is_the_one_list_of_kinds() -> None:
     from toolkit.recipe import TRANSFORM_MODELS
     from toolkit.transforms import KINDS
 
-    items = json_schema()["properties"]["transforms"]["items"]
+    items = json_schema()["properties"]["transforms"]["items"]["anyOf"][0]  # [1]: a group of them
     mapping = items["discriminator"]["mapping"]
     assert set(mapping) == set(KINDS) == set(TRANSFORM_MODELS)
     assert [ref["$ref"] for ref in items["oneOf"]] == [f"#/$defs/{k.model.__name__}" for k in KINDS.values()]

@@ -14,7 +14,7 @@ from pathlib import Path
 import git
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO
+from conftest import REPO, flagship_data
 from standin_adapter import make_repo
 
 from toolkit.errors import InputError
@@ -30,7 +30,7 @@ def remote(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
 
 def recipe_with(tmp_path: Path, url: str, commit: str, fetch: str = "host") -> Path:
     """The flagship with its adapter source at this URL and pin (fetch: host, the default, unless given)."""
-    data = yaml.safe_load(FLAGSHIP.read_text())
+    data = flagship_data()
     data["patches"] = str(REPO / "patches/src")
     data["sources"][0].update(git=url, commit=commit, fetch=fetch)
     tmp_path.mkdir(parents=True, exist_ok=True)

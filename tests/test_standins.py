@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO
+from conftest import FLAGSHIP, REPO, flagship_data
 
 from toolkit.runtime import standins
 
@@ -135,7 +135,7 @@ def runtime_python() -> Path:
 
 def test_preflight_names_an_undeclared_gpu_library_and_the_importing_line(cli, runtime_python: Path,
                                                                          tmp_path: Path) -> None:
-    data = yaml.safe_load(FLAGSHIP.read_text())
+    data = flagship_data()
     data["patches"] = str(REPO / "patches/src")
     data["base_image"]["gpu_libraries"] = ["xformers"]  # ixformer left out
     recipe = tmp_path / "recipe.yaml"

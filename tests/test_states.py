@@ -11,8 +11,7 @@ from typing import Any
 
 import libcst as cst
 import pytest
-import yaml
-from conftest import switch_package
+from conftest import flagship_data, switch_package
 from pydantic import TypeAdapter
 
 from toolkit.errors import ToolkitError
@@ -152,10 +151,10 @@ def test_dispatch_switch_must_be_a_flag_of_the_table(tmp_path: Path) -> None:
 def test_flagship_dispatch_defaults_come_from_the_package_table() -> None:
     import json
 
-    from conftest import FLAGSHIP, REPO
+    from conftest import REPO
 
     table = json.loads((REPO / "patches/src/native_fastpaths/switches.json").read_text())
-    recipe = yaml.safe_load(FLAGSHIP.read_text())
+    recipe = flagship_data()
     dispatches = [t for t in recipe["transforms"] if t["kind"] == "dispatch"]
     assert dispatches and all("default" not in t and t["switch"] in table for t in dispatches)
 

@@ -15,6 +15,7 @@ from toolkit.commands import build as build_cmd
 from toolkit.commands import lint as lint_cmd
 from toolkit.commands import preflight as preflight_cmd
 from toolkit.commands import profile as profile_cmd
+from toolkit.commands import show as show_cmd
 from toolkit.commands import tree as tree_cmd
 from toolkit.commands import vendor as vendor_cmd
 from toolkit.commands.common import Inputs
@@ -183,6 +184,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return _show(profile_cmd.compare(Path(args.paths[1]), Path(args.paths[2])), args)
     return _show(profile_cmd.profile(profile_cmd.ProfileRequest(tuple(Path(p) for p in args.paths),
                                                                 _path(args.plot))), args)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    report = show_cmd.show(show_cmd.ShowRequest(Path(args.recipe), resolved=args.resolved))
+    if args.resolved and not args.json:
+        sys.stdout.write(report.extra["resolved_yaml"])
+        return report.exit_code
+    return _show(report, args)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -405,6 +414,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "plot extra; an existing file is refused, never replaced)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser(
+        "show", help="the recipe as its layers (`include:`) compose it, each item with the file:line it came from",
+        description="Show the recipe its layers compose: the files in merge order, then every top-level value, "
+        "variant and transform with the file:line of the layer that declared it. --resolved prints the merged "
+        "recipe itself as YAML, every line commented with its origin (what apply, lint and build use). Merge rules: "
+        "a mapping merges key by key, any other value (lists too) is replaced whole, sources and packages merge by "
+        "name, transforms concatenate in include order with unique ids (`instead_of: ID` replaces an included one "
+        "in its place); a group {defaults: {...}, transforms: [...]} gives its members the fields they do not set.",
+        epilog="examples:\n  toolkit show recipes/bi100-qwen36.yaml\n"
+        "  toolkit show recipes/bi100-qwen36.yaml --resolved | less\n"
+        "  toolkit show recipes/bi100-qwen36.yaml --json | jq '.origins[\"serve.args.max-model-len\"]'",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", help="the recipe YAML, e.g. recipes/bi100-qwen36.yaml")
+    p.add_argument("--resolved", action="store_true", help="print the merged recipe, every value with its origin")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (layers, resolved, origins)")
+    p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("schema", help="print the recipe JSON Schema (for editors)")
     p.add_argument("-o", "--output", metavar="FILE", help="write it to FILE instead of stdout")

@@ -189,12 +189,12 @@ def report_of(loaded: LoadedRecipe, result: Comparison, installed: set[str] | No
     notes = [f"{result.tree / result.package} is closest to {closest.spec}: {closest.identical} file(s) identical, "
              f"{len(closest.differing)} differ ({closest.diff_lines} diff lines), {len(closest.only_vendor)} only in "
              f"the vendor tree, {len(closest.only_upstream)} only upstream (Python files, line endings normalised)"]
-    line = loaded.line_of("vendor", "reference")
+    origin = loaded.where("vendor", "reference")
     if closest.spec != recipe.vendor.reference:
-        notes.append(f"vendor.reference ({loaded.path}:{line}) is {recipe.vendor.reference}, not the closest: set it "
+        notes.append(f"vendor.reference ({origin}) is {recipe.vendor.reference}, not the closest: set it "
                      f"to {closest.spec} so the trial and preflight run on the vendor's true base")
     else:
-        notes.append(f"vendor.reference ({loaded.path}:{line}) is the closest candidate")
+        notes.append(f"vendor.reference ({origin}) is the closest candidate")
     imported = result.vendor_libraries()
     libraries = [m for m in imported if m not in (installed or set())]
     undeclared = [m for m in libraries if m not in recipe.base_image.gpu_library_names]

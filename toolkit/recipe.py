@@ -17,7 +17,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from toolkit.errors import RecipeError
 from toolkit.fields import ENV_PATTERN, ID_PATTERN, DottedName, Identifier, Strict, relative_path
+from toolkit.layers import GROUP_DEFAULTS, INCLUDE, INSTEAD_OF, TOOLKIT_LAYER, compose
 from toolkit.resources import TOOLKIT_PATCHES, resource
+from toolkit.results import Origin
 from toolkit.transforms import KINDS
 from toolkit.transforms.base import TransformBase
 from toolkit.transforms.deploy import Deploy
@@ -419,7 +421,8 @@ class LoadedRecipe:
 
     recipe: Recipe
     path: Path
-    located: Located
+    located: Located  # the merged recipe: every mark names the file of the layer it came from
+    layers: tuple[str, ...] = ()  # the files it is made of, in merge order, the recipe itself last
 
     @property
     def patches_dir(self) -> Path:
@@ -434,21 +437,24 @@ class LoadedRecipe:
         dispatch's switch table) and whose folder is missing is refused here, naming `patches:`."""
         folder = self.patches_dir
         if not folder.is_dir() and any(t.patch_paths() or t.kind == "dispatch" for t in self.recipe.transforms):
-            raise RecipeError(str(self.path), self.line_of("patches"), None, f"patches folder {folder} does not exist",
-                              key="patches", hint="`patches:` is relative to the recipe file; `toolkit:` is the "
+            origin = self.origin("patches")
+            raise RecipeError(origin.file if origin else str(self.path), origin.line if origin else None, None,
+                              f"patches folder {folder} does not exist", key="patches",
+                              hint="`patches:` is relative to the file that declares it; `toolkit:` is the "
                               "toolkit's own patches (native_fastpaths, chat_templates), as installed with it")
         return folder
 
-    def line_of(self, *loc: str | int) -> int | None:
+    def origin(self, *loc: str | int) -> Origin | None:
+        """The file (of the layer that declared it) and line of a recipe location, or of its nearest parent."""
         mark = self.located.mark_for(loc)
-        return mark.line if mark else None
+        return Origin(mark.file or str(self.path), mark.line) if mark else None
 
-    def transform_line(self, index: int) -> int | None:
-        return self.line_of("transforms", index)
+    def transform_origin(self, index: int) -> Origin | None:
+        return self.origin("transforms", index)
 
-    def where(self, index: int) -> str:
-        line = self.transform_line(index)
-        return f"{self.path}:{line}" if line else str(self.path)
+    def where(self, *loc: str | int) -> str:
+        """file:line of a recipe location, for messages."""
+        return str(self.origin(*loc) or self.path)
 
 
 def _unwrap(annotation: Any) -> list[Any]:
@@ -547,19 +553,23 @@ def _format_error(source: str, located: Located, err: Any) -> RecipeError:
     elif "input" in err and isinstance(err["input"], str | int | float | bool):
         message = f"{message} (got {err['input']!r})"
     return RecipeError(
-        source, mark.line if mark else None, mark.column if mark else None, message, key=key, hint=hint
+        mark.file if mark and mark.file else source, mark.line if mark else None, mark.column if mark else None,
+        message, key=key, hint=hint
     )
 
 
-def parse_recipe(text: str, source: str = "<recipe>") -> tuple[Recipe, Located]:
+def parse_recipe(text: str, source: str = "<recipe>") -> tuple[Recipe, Located, list[str]]:
+    """The recipe in `text` (read from `source`), its includes merged in: the model, the merged marks, and the files
+    it is made of (toolkit/layers.py has the rules)."""
     try:
-        located = load(text)
+        located = load(text, source)
     except YamlLoadError as exc:
         raise RecipeError(
             source, exc.mark.line if exc.mark else None, exc.mark.column if exc.mark else None, exc.message
         ) from None
     if not isinstance(located.data, dict):
         raise RecipeError(source, 1, 1, "a recipe is a YAML mapping at the top level")
+    located, layers = compose(located, source)
     try:
         recipe = Recipe.model_validate(located.data)
     except ValidationError as exc:
@@ -574,16 +584,20 @@ def parse_recipe(text: str, source: str = "<recipe>") -> tuple[Recipe, Located]:
     for index, transform in enumerate(recipe.transforms):
         if transform.id in seen:
             mark = located.mark_for(("transforms", index, "id"))
+            first = located.mark_for(("transforms", seen[transform.id], "id"))
             raise RecipeError(
-                source,
+                mark.file if mark and mark.file else source,
                 mark.line if mark else None,
                 mark.column if mark else None,
-                f"duplicate transform id {transform.id!r} (first used by transform #{seen[transform.id] + 1})",
+                f"duplicate transform id {transform.id!r} (first used by transform #{seen[transform.id] + 1}, at "
+                f"{first.file or source}:{first.line})" if first else f"duplicate transform id {transform.id!r}",
                 key=f"transforms.{index}.id",
-                hint="give every transform its own id: the id is also its marker in patched files",
+                hint="give every transform its own id: the id is also its marker in patched files"
+                + (f"; to replace the included one, write `instead_of: {transform.id}` in the later"
+                   if first and mark and first.file != mark.file else ""),
             )
         seen[transform.id] = index
-    return recipe, located
+    return recipe, located, layers
 
 
 def load_recipe(path: str | Path) -> LoadedRecipe:
@@ -598,12 +612,29 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise RecipeError(str(path), None, None, f"recipe is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    recipe, located = parse_recipe(text, str(path))
-    return LoadedRecipe(recipe, path.resolve(), located)
+    recipe, located, layers = parse_recipe(text, str(path))
+    return LoadedRecipe(recipe, path.resolve(), located, tuple(layers))
 
 
 def json_schema() -> dict[str, Any]:
+    """The recipe's JSON Schema, with what toolkit/layers.py reads before the models do: `include`, a transform's
+    `instead_of`, and groups of transforms with shared `defaults` (whose members are checked once merged)."""
     schema = Recipe.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "toolkit recipe"
+    schema["properties"][INCLUDE] = {
+        "description": "Recipe files (layers) merged under this one, in order: paths relative to this file, or "
+        f"{TOOLKIT_LAYER}NAME for a layer the toolkit installs with; this file's own keys come last",
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+    item = schema["properties"]["transforms"]["items"]
+    for ref in item["discriminator"]["mapping"].values():
+        schema["$defs"][ref.rpartition("/")[2]]["properties"][INSTEAD_OF] = {
+            "type": "string", "pattern": ID_PATTERN,
+            "description": "The id of a transform of an included layer that this one replaces, in its place"}
+    schema["$defs"]["TransformGroup"] = {
+        "type": "object", "additionalProperties": False, "required": [GROUP_DEFAULTS, "transforms"],
+        "description": "Transforms sharing fields: each member takes every field of `defaults` it does not set",
+        "properties": {GROUP_DEFAULTS: {"type": "object"},
+                       "transforms": {"type": "array", "items": {"type": "object"}}}}
+    schema["properties"]["transforms"]["items"] = {"anyOf": [item, {"$ref": "#/$defs/TransformGroup"}]}
     return schema

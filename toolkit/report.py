@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from toolkit.results import Report, Severity, State
+from toolkit.results import Origin, Report, Severity, State
 
 _STYLE = {
     State.WOULD_APPLY: "green",
@@ -21,6 +22,15 @@ _STYLE = {
     State.GATED_OFF: "dim",
 }
 _SEVERITY = {Severity.ERROR: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan"}
+
+
+def _short(origin: Origin | None, recipe: str) -> str:
+    """A transform's line, and its layer's file name when that is not the recipe the report is about."""
+    if origin is None:
+        return ""
+    if Path(origin.file).resolve() == Path(recipe).resolve():
+        return str(origin.line)
+    return f"{Path(origin.file).name}:{origin.line}"
 
 
 def emit(report: Report, *, as_json: bool, stream: TextIO | None = None) -> None:
@@ -43,9 +53,9 @@ def emit(report: Report, *, as_json: bool, stream: TextIO | None = None) -> None
         groups: dict[tuple[str, State, str], list[str]] = {}
         for r in report.results:
             groups.setdefault((r.transform, r.state, r.message), []).append(short[r.root])
-        lines = {r.transform: r.recipe_line for r in report.results}
+        origins = {r.transform: r.origin for r in report.results}
         for (transform, state, message), where in groups.items():
-            table.add_row(transform, str(lines[transform] or ""), ",".join(where),
+            table.add_row(transform, _short(origins[transform], report.recipe), ",".join(where),
                           f"[{_STYLE[state]}]{state.value}[/]", escape(" ".join(message.split())))
         console.print(table)
         for root, name in short.items():
@@ -59,7 +69,7 @@ def emit(report: Report, *, as_json: bool, stream: TextIO | None = None) -> None
             table.add_row(*(escape(cell) for cell in row))
         console.print(table)
     for issue in report.issues:
-        location = f"{report.recipe}:{issue.line}" if issue.line else report.recipe
+        location = str(issue.origin) if issue.origin else report.recipe
         variant = escape(f" [variant {issue.variant}]") if issue.variant else ""
         console.print(f"[{_SEVERITY[issue.severity]}]{issue.severity.value}[/] {issue.rule}{variant} {location}: "
                       f"{escape(issue.message)}")

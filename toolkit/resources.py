@@ -1,5 +1,5 @@
 """The files the toolkit reads at run time besides its modules: the Dockerfile template, templates/, the patches a
-recipe may deploy (`patches: toolkit:`) and the recipe JSON Schema.
+recipe may deploy (`patches: toolkit:`), the recipe layers (`include: toolkit:NAME`) and the recipe JSON Schema.
 
 The checkout's top-level folders are their one source. A wheel carries them under `toolkit/_data/` (the build
 backend copies them there: pyproject.toml's force-include); a checkout or an editable install reads them where
@@ -17,7 +17,7 @@ BUNDLED = PACKAGE / "_data"  # in an installed wheel
 CHECKOUT = PACKAGE.parent  # a checkout, or an editable install of one
 # name -> where the checkout keeps it (the wheel keeps it as _data/<name>)
 LAYOUT = {"Dockerfile.j2": "Dockerfile.j2", "templates": "templates", "patches": "patches/src",
-          "schema.json": "recipes/schema.json"}
+          "schema.json": "recipes/schema.json", "layers": "layers"}
 TOOLKIT_PATCHES = "toolkit:"  # `patches: toolkit:` in a recipe: the toolkit's own patches folder
 
 

@@ -23,6 +23,17 @@ class State(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Where in a recipe (the file of the layer that declared it, and the line) a value or a transform came from."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
 class Result:
     """The state of one transform in one root."""
 
@@ -32,11 +43,14 @@ class Result:
     file: str
     state: State
     message: str
-    recipe_line: int | None = None
+    origin: Origin | None = None  # the transform's (or its faulty field's) place in the recipe's layers
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["state"] = self.state.value
+        del data["origin"]
+        data["recipe_file"] = self.origin.file if self.origin else None
+        data["recipe_line"] = self.origin.line if self.origin else None
         return data
 
 
@@ -67,12 +81,19 @@ class Issue:
     severity: Severity
     message: str
     fix: str
-    line: int | None = None
+    origin: Origin | None = None
     variant: str | None = None
+
+    @property
+    def line(self) -> int | None:
+        return self.origin.line if self.origin else None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["severity"] = self.severity.value
+        del data["origin"]
+        data["file"] = self.origin.file if self.origin else None
+        data["line"] = self.line
         return data
 
 

@@ -18,6 +18,7 @@ Path_ = tuple[str | int, ...]
 class Mark:
     line: int  # 1-based
     column: int  # 1-based
+    file: str = ""  # the file the node was read from (a recipe's layers are several files)
 
 
 class YamlLoadError(Exception):
@@ -45,8 +46,8 @@ class Located:
         return self.marks.get(())
 
 
-def _mark(node: yaml.Node) -> Mark:
-    return Mark(node.start_mark.line + 1, node.start_mark.column + 1)
+def _mark(node: yaml.Node, file: str = "") -> Mark:
+    return Mark(node.start_mark.line + 1, node.start_mark.column + 1, file)
 
 
 def _load_error(exc: yaml.YAMLError, text: str) -> YamlLoadError:
@@ -63,7 +64,7 @@ def _load_error(exc: yaml.YAMLError, text: str) -> YamlLoadError:
     return YamlLoadError(f"invalid YAML: {exc}", None)
 
 
-def load(text: str) -> Located:
+def load(text: str, file: str = "") -> Located:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
@@ -75,7 +76,7 @@ def load(text: str) -> Located:
     constructor = yaml.SafeLoader(text)  # only used to resolve scalars to Python values
 
     def build(node: yaml.Node, path: Path_) -> Any:
-        marks[path] = _mark(node)
+        marks[path] = _mark(node, file)
         if isinstance(node, yaml.MappingNode):
             out: dict[Any, Any] = {}
             for key_node, value_node in node.value:
@@ -89,7 +90,7 @@ def load(text: str) -> Located:
                         f"duplicate key {key!r} (first at line {key_marks[(*path, key)].line})",
                         _mark(key_node),
                     )
-                key_marks[(*path, key)] = _mark(key_node)
+                key_marks[(*path, key)] = _mark(key_node, file)
                 out[key] = build(value_node, (*path, key))
             return out
         if isinstance(node, yaml.SequenceNode):

@@ -144,13 +144,13 @@ class Engine:
             spec = SpecifierSet(self.version_spec)
             if Version(version) not in spec:
                 if package == self.recipe.vendor.package:
-                    field, line = "vendor.version", self.loaded.line_of("vendor", "version")
+                    field, origin = "vendor.version", self.loaded.where("vendor", "version")
                 else:
                     index = [p.name for p in self.recipe.packages].index(package)
-                    field, line = f"packages[{package}].version", self.loaded.line_of("packages", index, "version")
+                    field, origin = f"packages[{package}].version", self.loaded.where("packages", index, "version")
                 raise InputDriftError(
                     f"{package} {version} in {self.roots[0].label} does not satisfy {field} {self.version_spec} "
-                    f"({self.loaded.path}:{line})",
+                    f"({origin})",
                     hint=f"the base image changed: review the transforms against it, then update {field}",
                 )
         return versions
@@ -234,8 +234,8 @@ class Engine:
                 field: str | None = None) -> Result:
         """A result that names the recipe line of the field at fault when one is known, else the transform's."""
         index = self.index[spec.id]
-        line = self.loaded.line_of("transforms", index, field) if field else None
-        return Result(spec.id, spec.kind, root, file, state, message, line or self.loaded.transform_line(index))
+        origin = self.loaded.origin("transforms", index, field) if field else None
+        return Result(spec.id, spec.kind, root, file, state, message, origin or self.loaded.transform_origin(index))
 
     def verdict(self, verdict: Verdict, root: str, file: str) -> Result:
         return self.result(verdict.spec, root, file, verdict.state, verdict.message, verdict.field)

@@ -45,8 +45,9 @@ def lint(loaded: LoadedRecipe, recipe: Recipe | None = None, *, variant: str | N
     issues: list[Issue] = []
     for info in RULES.values():
         for issue in info.check(ctx):
-            issues.append(Issue(issue.rule, issue.severity, issue.message, issue.fix, issue.line, variant))
+            issues.append(Issue(issue.rule, issue.severity, issue.message, issue.fix, issue.origin, variant))
     order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
-    issues.sort(key=lambda i: (order[i.severity], i.line or 0, i.rule))
+    issues.sort(key=lambda i: (order[i.severity], loaded.layers.index(i.origin.file) if i.origin and i.origin.file
+                               in loaded.layers else len(loaded.layers), i.line or 0, i.rule))
     return LintResult(tuple(issues), dict(ctx.extra))
 

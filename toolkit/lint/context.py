@@ -14,7 +14,7 @@ from packaging.version import Version
 from toolkit.errors import InputError
 from toolkit.inputs import fetch_reference
 from toolkit.recipe import ArgValue, LoadedRecipe, Recipe
-from toolkit.results import Issue, Severity
+from toolkit.results import Issue, Origin, Severity
 from toolkit.transforms.deploy import Deploy
 
 TRUE = {"true", "1", "yes", "on"}
@@ -59,25 +59,25 @@ class LintContext:
         except ValueError:
             return default
 
-    def line_of_arg(self, name: str) -> int | None:
+    def origin_of_arg(self, name: str) -> Origin | None:
         for key in (name, name.replace("-", "_")):
-            if self.variant and (line := self._variant_line("args", key)):
-                return line
+            if self.variant and (origin := self._variant_origin("args", key)):
+                return origin
             if key in self.recipe.serve.args:
-                return self.loaded.line_of("serve", "args", key)
-        return self.loaded.line_of("serve", "args")
+                return self.loaded.origin("serve", "args", key)
+        return self.loaded.origin("serve", "args")
 
-    def line_of_env(self, name: str) -> int | None:
-        if self.variant and (line := self._variant_line("env", name)):
-            return line
-        return self.loaded.line_of("env", name)
+    def origin_of_env(self, name: str) -> Origin | None:
+        if self.variant and (origin := self._variant_origin("env", name)):
+            return origin
+        return self.loaded.origin("env", name)
 
-    def _variant_line(self, section: str, key: str) -> int | None:
+    def _variant_origin(self, section: str, key: str) -> Origin | None:
         loc = ("variants", self.variant or "", section, key)
         if loc in self.loaded.located.key_marks:
-            return self.loaded.line_of(*loc)
+            return self.loaded.origin(*loc)
         if self.variant and (("matrix", section, key) in self.loaded.located.key_marks):
-            return self.loaded.line_of("matrix", section, key)
+            return self.loaded.origin("matrix", section, key)
         return None
 
     # -- vLLM semantics -----------------------------------------------------------------------

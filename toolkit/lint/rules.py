@@ -42,7 +42,7 @@ def chunked_prefill_batch(ctx: LintContext) -> Iterator[Issue]:
                 f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({max_len}) with chunked "
                 "prefill off: vLLM refuses to start",
                 "enable chunked prefill, or raise max-num-batched-tokens to at least max-model-len",
-                ctx.line_of_arg("max-num-batched-tokens"))
+                ctx.origin_of_arg("max-num-batched-tokens"))
 
 
 @rule("chunked-prefill-implicit", INFO, "vLLM 0.6 turns chunked prefill on by itself above 32K context")
@@ -54,7 +54,7 @@ def chunked_prefill_implicit(ctx: LintContext) -> Iterator[Issue]:
                     f"max_model_len {max_len} > 32768 on vLLM {ctx.vllm_version}: chunked prefill is enabled "
                     "implicitly (max_num_batched_tokens defaults to 512 then)",
                     "say so in the recipe: enable-chunked-prefill: true (or 'false' to turn it off)",
-                    ctx.line_of_arg("max-model-len"))
+                    ctx.origin_of_arg("max-model-len"))
 
 
 @rule("bool-false-omits-flag", W, "a boolean false omits the flag instead of passing false")
@@ -64,7 +64,7 @@ def bool_false(ctx: LintContext) -> Iterator[Issue]:
             yield Issue("bool-false-omits-flag", W,
                         "enable-chunked-prefill: false omits the flag, which leaves chunked prefill to vLLM's "
                         "default (on above 32K context)",
-                        "write 'false' (a string) to pass --enable-chunked-prefill false", ctx.line_of_arg(name))
+                        "write 'false' (a string) to pass --enable-chunked-prefill false", ctx.origin_of_arg(name))
 
 
 @rule("multi-step-backend", E, "num_scheduler_steps > 1 on a backend without multi-step, or with chunked prefill")
@@ -73,16 +73,16 @@ def multi_step(ctx: LintContext) -> Iterator[Issue]:
     if steps <= 1:
         return
     backend = ctx.attention_backend()
-    line = ctx.line_of_arg("num-scheduler-steps")
+    origin = ctx.origin_of_arg("num-scheduler-steps")
     if backend not in MULTI_STEP_BACKENDS:
         yield Issue("multi-step-backend", E,
                     f"num_scheduler_steps {steps} (multi-step) is not supported on the {backend} attention backend "
                     f"(only {', '.join(sorted(MULTI_STEP_BACKENDS))})",
-                    "remove num-scheduler-steps (or set it to 1)", line)
+                    "remove num-scheduler-steps (or set it to 1)", origin)
         if ctx.chunked_prefill_effective():
             yield Issue("multi-step-backend", E,
                         f"multi-step together with chunked prefill is not supported on {backend}",
-                        "drop num-scheduler-steps, or turn chunked prefill off", line)
+                        "drop num-scheduler-steps, or turn chunked prefill off", origin)
 
 
 @rule("attention-backend", E, "a forced attention backend the image cannot load")
@@ -93,7 +93,7 @@ def attention_backend(ctx: LintContext) -> Iterator[Issue]:
                     f"VLLM_ATTENTION_BACKEND={forced} but the image can load only "
                     f"{', '.join(ctx.recipe.base_image.attention_backends)}: the server fails at start",
                     "remove VLLM_ATTENTION_BACKEND, or list the backend in base_image.attention_backends once the "
-                    "image ships it", ctx.line_of_env("VLLM_ATTENTION_BACKEND"))
+                    "image ships it", ctx.origin_of_env("VLLM_ATTENTION_BACKEND"))
 
 
 @rule("cuda-graphs", E, "CUDA graphs on hardware where capture hangs; flags the vendor hard-codes")
@@ -107,7 +107,7 @@ def cuda_graphs(ctx: LintContext) -> Iterator[Issue]:
                 yield Issue("cuda-graphs", W,
                             f"--{flag} has no effect: the vendor hard-codes {kwarg} and no set-kwarg transform "
                             "in this recipe un-hardcodes it",
-                            f"add a set-kwarg transform for {kwarg}, or drop --{flag}", ctx.line_of_arg(flag))
+                            f"add a set-kwarg transform for {kwarg}, or drop --{flag}", ctx.origin_of_arg(flag))
     if "cuda-graph-capture-hang" not in ctx.recipe.hardware.known_issues or ctx.has_flag("enforce-eager"):
         return
     forced_eager = "enforce_eager" in hardcoded and not ctx.unhardcoded("enforce_eager")
@@ -117,7 +117,7 @@ def cuda_graphs(ctx: LintContext) -> Iterator[Issue]:
         yield Issue("cuda-graphs", E,
                     f"CUDA graph capture hangs or runs out of memory on {ctx.recipe.hardware.accelerator} "
                     f"(TP {ctx.int_arg('tensor-parallel-size', 1)}): {why}",
-                    "add enforce-eager: true to serve.args", ctx.loaded.line_of("serve", "args"))
+                    "add enforce-eager: true to serve.args", ctx.loaded.origin("serve", "args"))
 
 
 @rule("context-length", E, "max_model_len below what the workload needs")
@@ -127,21 +127,21 @@ def context_length(ctx: LintContext) -> Iterator[Issue]:
     if need and max_len is None:
         yield Issue("context-length", W, f"the workload needs more than {need} tokens of context but "
                     "max-model-len is not set (the model's own limit applies)",
-                    f"set max-model-len above {need}", ctx.loaded.line_of("serve", "args"))
+                    f"set max-model-len above {need}", ctx.loaded.origin("serve", "args"))
     elif need and max_len is not None and max_len <= need:
         yield Issue("context-length", E, f"max_model_len {max_len} does not exceed the workload's {need} tokens",
-                    f"set max-model-len above {need} (245000 is used)", ctx.line_of_arg("max-model-len"))
+                    f"set max-model-len above {need} (245000 is used)", ctx.origin_of_arg("max-model-len"))
 
 
 @rule("kv-cache", E, "the KV cache for one max-length sequence must fit per card")
 def kv_cache(ctx: LintContext) -> Iterator[Issue]:
     model = ctx.recipe.model
     max_len = ctx.int_arg("max-model-len")
-    line = ctx.loaded.line_of("model") or ctx.loaded.line_of("serve", "args")
+    origin = ctx.loaded.origin("model") or ctx.loaded.origin("serve", "args")
     if model is None or max_len is None:
         yield Issue("kv-cache", INFO, "KV-cache estimate skipped: " + (
             "the recipe declares no model shape" if model is None else "max-model-len is not set"),
-            "add a `model:` section and max-model-len to get the per-card estimate", line)
+            "add a `model:` section and max-model-len to get the per-card estimate", origin)
         return
     hw = ctx.recipe.hardware
     est = estimate(model, card_gib=hw.memory_gb, overhead_gib=hw.runtime_overhead_gb,
@@ -154,13 +154,13 @@ def kv_cache(ctx: LintContext) -> Iterator[Issue]:
     if not est.fits:
         yield Issue("kv-cache", E, f"the KV cache cannot hold one {max_len}-token sequence: {est.summary()}",
                     "lower max-model-len or max-num-batched-tokens, raise gpu-memory-utilization, or add cards (TP)",
-                    ctx.line_of_arg("max-model-len"))
+                    ctx.origin_of_arg("max-model-len"))
     elif est.margin < 0.10:
         yield Issue("kv-cache", W, f"thin memory margin ({est.margin:.1%} of the budget): {est.summary()}",
                     "leave at least 10% spare: a leftover worker process or a larger prefill runs out of memory",
-                    ctx.line_of_arg("max-model-len"))
+                    ctx.origin_of_arg("max-model-len"))
     else:
-        yield Issue("kv-cache", INFO, est.summary(), "nothing to do", ctx.line_of_arg("max-model-len"))
+        yield Issue("kv-cache", INFO, est.summary(), "nothing to do", ctx.origin_of_arg("max-model-len"))
 
 
 PREFIX_STATE_FAILURE = ("the linear-attention layers' state is not in the KV cache and vLLM 0.6.3 feeds only a hit's "
@@ -186,21 +186,21 @@ def prefix_state(ctx: LintContext) -> Iterator[Issue]:
     if model is None or model.linear_attention is None:
         return
     caching = ctx.has_flag("enable-prefix-caching")
-    line = ctx.line_of_arg("enable-prefix-caching")
+    origin = ctx.origin_of_arg("enable-prefix-caching")
     declared = model.prefix_state
     if declared is None:
         if caching:
             yield Issue("prefix-state", E, f"enable-prefix-caching on a model with linear_attention, and "
                         f"model.prefix_state is not declared: {PREFIX_STATE_FAILURE}",
                         "declare model.prefix_state: exact-checkpoints (with the prefix-state transforms, "
-                        "README: Prefix caching), or turn enable-prefix-caching off", line)
+                        "README: Prefix caching), or turn enable-prefix-caching off", origin)
         return
     if declared == "none":
         if caching:
             yield Issue("prefix-state", E, f"model.prefix_state is none but enable-prefix-caching is on: "
                         f"{PREFIX_STATE_FAILURE}",
                         "turn enable-prefix-caching off, or declare exact-checkpoints with its transforms",
-                        line)
+                        origin)
         return
     in_scope: dict[str, str] = {}
     for t in ctx.recipe.transforms:
@@ -208,24 +208,24 @@ def prefix_state(ctx: LintContext) -> Iterator[Issue]:
             in_scope[t.scope] = in_scope.get(t.scope, "") + t.model_dump_json()
     missing = [f"{needle} (in {scope})" for scope, needles in prefix_state_hooks().items() for needle in needles
                if needle not in in_scope.get(scope, "")]
-    model_line = ctx.loaded.line_of("model", "prefix_state")
+    model_origin = ctx.loaded.origin("model", "prefix_state")
     if missing:
         yield Issue("prefix-state", E, "model.prefix_state is exact-checkpoints but the recipe's transforms lack "
                     f"{', '.join(missing)}: without them {PREFIX_STATE_FAILURE}",
                     "add the prefix-state transforms (see recipes/bi100-qwen36.yaml, ids prefix-state*)",
-                    model_line)
+                    model_origin)
         return
     capacity = ctx.recipe.env.get("PREFIX_STATE_CHECKPOINTS")
     if capacity is None or not capacity.isdigit():
         yield Issue("prefix-state", E, "exact-checkpoints holds its checkpoints in host memory: their number must "
                     "be declared (env PREFIX_STATE_CHECKPOINTS)" + (f", not {capacity!r}" if capacity else ""),
                     'set env PREFIX_STATE_CHECKPOINTS to a count, e.g. "64"',
-                    ctx.line_of_env("PREFIX_STATE_CHECKPOINTS") or model_line)
+                    ctx.origin_of_env("PREFIX_STATE_CHECKPOINTS") or model_origin)
         return
     each = linear_state_bytes(model, ctx.int_arg("tensor-parallel-size", 1) or 1)
     yield Issue("prefix-state", INFO, f"prefix-state checkpoints: at most {capacity} of {each / 2**20:.1f} MiB "
                 f"per card in host memory = {int(capacity) * each / GIB:.2f} GiB per card",
-                "nothing to do (PREFIX_STATE_CHECKPOINTS bounds it)", ctx.line_of_env("PREFIX_STATE_CHECKPOINTS"))
+                "nothing to do (PREFIX_STATE_CHECKPOINTS bounds it)", ctx.origin_of_env("PREFIX_STATE_CHECKPOINTS"))
 
 
 def _known_flags(ctx: LintContext) -> tuple[set[str], set[str], dict[str, str]]:
@@ -256,7 +256,7 @@ def unknown_flags(ctx: LintContext) -> Iterator[Issue]:
     if ctx.reference_tree is None:
         yield Issue("unknown-flag", W, f"flags not checked: {ctx.extra.get('reference_error')}",
                     f"make {ctx.recipe.vendor.reference} downloadable (pip) or cached, then lint again",
-                    ctx.loaded.line_of("vendor", "reference"))
+                    ctx.loaded.origin("vendor", "reference"))
         return
     ref = ctx.recipe.vendor.reference
     for name in ctx.args:
@@ -267,11 +267,11 @@ def unknown_flags(ctx: LintContext) -> Iterator[Issue]:
             yield Issue("unknown-flag", W, f"--{name} is unknown to {ref}; only source {source!r} claims to add it, "
                         "and this recipe does not deploy that source's files yet",
                         f"deploy {source}'s CLI module (or drop --{name}) before launching",
-                        ctx.line_of_arg(name))
+                        ctx.origin_of_arg(name))
         else:
             yield Issue("unknown-flag", E, f"--{name} is not a flag of {ref} nor of any file this recipe deploys: "
                         "the server exits with 'unrecognized arguments'",
-                        "fix the spelling, or deploy the module that adds it", ctx.line_of_arg(name))
+                        "fix the spelling, or deploy the module that adds it", ctx.origin_of_arg(name))
     parser = ctx.arg("tool-call-parser")
     if isinstance(parser, str) and parser not in parsers:
         source = claimed.get("parser:" + parser)
@@ -279,7 +279,7 @@ def unknown_flags(ctx: LintContext) -> Iterator[Issue]:
         detail = (f"only source {source!r} claims it and is not deployed yet" if source
                   else f"known: {', '.join(sorted(parsers))}")
         yield Issue("unknown-flag", severity, f"tool parser {parser!r} is not registered in {ref} ({detail})",
-                    "deploy the parser module, or pick a registered parser", ctx.line_of_arg("tool-call-parser"))
+                    "deploy the parser module, or pick a registered parser", ctx.origin_of_arg("tool-call-parser"))
 
 
 @rule("env-unread", W, "env switches that no transform or deployed file reads")
@@ -292,7 +292,7 @@ def env_unread(ctx: LintContext) -> Iterator[Issue]:
         if any(f'"{name}"' in t or f"'{name}'" in t for t in texts):
             continue
         yield Issue("env-unread", W, f"env {name} is read by no dispatch and no file this recipe deploys",
-                    "remove it, or add the dispatch/deploy that reads it", ctx.line_of_env(name))
+                    "remove it, or add the dispatch/deploy that reads it", ctx.origin_of_env(name))
 
 
 def switch_readers(deployed: list[Path]) -> list[tuple[Path, Any, str | None]]:
@@ -308,14 +308,14 @@ def switch_value(ctx: LintContext) -> Iterator[Issue]:
         if module is None:
             yield Issue("switch-value", E, f"the deployed switch reader {reader} does not load: {broken}",
                         f"fix {reader.with_name('switches.json')} or {reader} (copy the toolkit's "
-                        "patches/src/native_fastpaths/ pair)", ctx.loaded.line_of("patches"))
+                        "patches/src/native_fastpaths/ pair)", ctx.loaded.origin("patches"))
             continue
         for name, raw in ctx.recipe.env.items():
             if name in module.TABLE and (why := module.problem(name, str(raw))):
                 yield Issue("switch-value", E, f"env {why} (the deployed {reader.parent.name}/switches.py raises on "
                             "it at the first read: the server would not start)",
                             f"set {name} to {module.allowed(name)} ({reader.with_name('switches.json')})",
-                            ctx.line_of_env(name))
+                            ctx.origin_of_env(name))
 
 
 @rule("provenance", W, "transforms whose provenance is a placeholder, or whose remove_when now holds")
@@ -326,7 +326,7 @@ def provenance(ctx: LintContext) -> Iterator[Issue]:
             if text.lower().rstrip(".") in PLACEHOLDERS or len(text) < 8:
                 yield Issue("provenance", W, f"transform {t.id}: {field_name} is a placeholder ({text!r})",
                             f"say {'why the change is needed' if field_name == 'why' else 'when it can go'}",
-                            ctx.loaded.line_of("transforms", index, field_name))
+                            ctx.loaded.origin("transforms", index, field_name))
     if ctx.rootfs is None:
         return
     from toolkit.engine.plan import Engine
@@ -348,7 +348,7 @@ def provenance(ctx: LintContext) -> Iterator[Issue]:
             yield Issue("provenance", W, f"transform {t.id} is SUPERSEDED in {ctx.rootfs}: its remove_when "
                         f"({t.remove_when!r}) appears to hold",
                         "drop the transform once the new base image is the one you ship",
-                        ctx.loaded.line_of("transforms", index, "remove_when") or ctx.loaded.transform_line(index))
+                        ctx.loaded.origin("transforms", index, "remove_when") or ctx.loaded.transform_origin(index))
 
 
 @rule("source-fetch", W, "a source the image build clones: the platform's builder then needs git and network")
@@ -357,16 +357,16 @@ def source_fetch(ctx: LintContext) -> Iterator[Issue]:
     for index, source in enumerate(ctx.recipe.sources):
         if source.name not in used or source.path:
             continue
-        line = ctx.loaded.line_of("sources", index, "fetch") or ctx.loaded.line_of("sources", index)
+        origin = ctx.loaded.origin("sources", index, "fetch") or ctx.loaded.origin("sources", index)
         if source.fetch == "image":
             yield Issue("source-fetch", W, f"source {source.name}: fetch is image, so the image build clones "
                         f"{source.git}: the platform's builder needs git and network, and shows no log when either "
                         "is missing", "drop `fetch: image` (toolkit build then clones it here and bundles it), or "
-                        f"build with --source {source.name}=PATH", line)
+                        f"build with --source {source.name}=PATH", origin)
         elif source.fetch == "host-or-image":
             yield Issue("source-fetch", INFO, f"source {source.name}: toolkit build clones {source.git} and bundles "
                         "it; on a host that cannot reach it, the image build clones it instead (the build says so)",
-                        f"--source {source.name}=PATH always bundles it", line)
+                        f"--source {source.name}=PATH always bundles it", origin)
 
 
 @rule("vendor-base", W, "vendor.reference is not the public release the vendor tree is closest to")
@@ -378,14 +378,14 @@ def vendor_base(ctx: LintContext) -> Iterator[Issue]:
     from toolkit.inputs import rootfs_roots
 
     recipe = ctx.recipe
-    line = ctx.loaded.line_of("vendor", "reference")
+    origin = ctx.loaded.origin("vendor", "reference")
     try:
         vendor = package_dir(rootfs_roots(recipe, ctx.rootfs)[0].path, recipe.vendor.package)
         result = compare(vendor, recipe.vendor.package, neighbours(recipe.vendor.reference),
                          recipe.base_image.python, recipe.base_image.platform, guessed=True)
     except ToolkitError as exc:
         yield Issue("vendor-base", W, f"vendor.reference not compared with {ctx.rootfs}: {exc.message}",
-                    exc.hint or "see `toolkit vendor compare`", line)
+                    exc.hint or "see `toolkit vendor compare`", origin)
         return
     closest = result.closest
     ctx.extra["vendor_base"] = {"closest": closest.spec, "candidates": {c.spec: c.identical
@@ -397,23 +397,23 @@ def vendor_base(ctx: LintContext) -> Iterator[Issue]:
                     f"in {ctx.rootfs} is closest to {closest.spec} ({closest.identical} identical files, "
                     f"{len(closest.differing)} differing)",
                     f"set vendor.reference to {closest.spec}: the trial and preflight then run on the vendor's true "
-                    "base (`toolkit vendor compare RECIPE --rootfs DIR` for the files)", line)
+                    "base (`toolkit vendor compare RECIPE --rootfs DIR` for the files)", origin)
 
 
 @rule("workdir-shadow", E, "a working directory with a vllm/ folder imports the unpatched copy")
 def workdir(ctx: LintContext) -> Iterator[Issue]:
     wd = ctx.recipe.serve.workdir.rstrip("/") or "/"
-    line = ctx.loaded.line_of("serve", "workdir") or ctx.loaded.line_of("serve")
+    origin = ctx.loaded.origin("serve", "workdir") or ctx.loaded.origin("serve")
     package = ctx.recipe.vendor.package
     if any(wd == root.rstrip("/") for root in ctx.recipe.vendor.roots):
         yield Issue("workdir-shadow", E, f"serve.workdir {wd} is a vendor root: its {package}/ shadows the patched "
-                    "import order", "start from a neutral folder such as /workspace", line)
+                    "import order", "start from a neutral folder such as /workspace", origin)
     elif ctx.rootfs is not None and (ctx.rootfs / wd.lstrip("/") / package).is_dir():
         yield Issue("workdir-shadow", E, f"serve.workdir {wd} contains a {package}/ folder in the image: Python "
-                    "imports it before the patched site-packages", "start from a neutral folder", line)
+                    "imports it before the patched site-packages", "start from a neutral folder", origin)
     if any(isinstance(t, ModuleEdit) for t in ctx.recipe.transforms) and wd in ("/", ""):
         yield Issue("workdir-shadow", W, "serve.workdir is /: a stray vllm/ at the image root would shadow "
-                    "the patched package", "use a dedicated empty folder such as /workspace", line)
+                    "the patched package", "use a dedicated empty folder such as /workspace", origin)
 
 
 @rule("probe", E, "a probe whose runtime is not deployed, or that moves another transform's anchor")
@@ -430,7 +430,7 @@ def probe(ctx: LintContext) -> Iterator[Issue]:
             yield Issue("probe", E, f"transform {t.id} imports {t.runtime}, which no deploy of this recipe installs: "
                         "the probed module would fail to import on the image",
                         f"deploy patches/src/{top} (kind: deploy, source: {top}, dest: {top})",
-                        ctx.loaded.line_of("transforms", index, "runtime") or ctx.loaded.transform_line(index))
+                        ctx.loaded.origin("transforms", index, "runtime") or ctx.loaded.transform_origin(index))
         timed = t.statements if t.statements is not None else f"{t.calls}(" if t.calls is not None else None
         if timed is None:
             continue
@@ -445,4 +445,4 @@ def probe(ctx: LintContext) -> Iterator[Issue]:
                 yield Issue("probe", E, f"transform {t.id} times `{probe_text.rstrip('(')}`, which transform "
                             f"{other.id} anchors on in {t.scope}: once timed, that anchor is gone and "
                             f"{other.id} drifts", f"probe another statement or call, or move {other.id}'s anchor",
-                            ctx.loaded.transform_line(index))
+                            ctx.loaded.transform_origin(index))

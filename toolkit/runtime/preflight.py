@@ -359,10 +359,10 @@ def import_failure(loaded: LoadedRecipe, tree: Tree, failed: dict[str, Any]) -> 
     where = failed.get("where") or "a file outside the patched trees"
     absent = [a for a in loaded.recipe.base_image.absent_modules if module == a or module.startswith(a + ".")]
     if failed.get("type") == "ModuleNotFoundError" and absent:
-        line = loaded.line_of("base_image", "gpu_libraries") or loaded.line_of("base_image")
         return ToolkitError(
             f"the patched tree imports {module!r} at {where} unconditionally, and the recipe declares {absent[0]} "
-            f"absent from the image ({loaded.path}:{line}): on the image this import fails too ({tree.where})",
+            f"absent from the image ({loaded.where('base_image', 'gpu_libraries')}): on the image this import fails "
+            f"too ({tree.where})",
             hint="guard the import (the vendor's selector falls back on ImportError), or correct `absent` if the "
                  "image does have it")
     if failed.get("type") == "ModuleNotFoundError" and module:
@@ -370,11 +370,11 @@ def import_failure(loaded: LoadedRecipe, tree: Tree, failed: dict[str, Any]) -> 
         # else its top-level library
         top = module.split(".")[0]
         name = module if any((Path(p) / top).is_dir() for p in tree.paths) else top
-        line = loaded.line_of("base_image", "gpu_libraries") or loaded.line_of("base_image")
         return ToolkitError(
             f"the patched tree imports {module!r} at {where}, and {name} is neither installed in the CPU runtime "
             f"nor declared as a GPU library of the image ({tree.where})",
-            hint=f"if only the image has it, add {name} to base_image.gpu_libraries ({loaded.path}:{line}): "
+            hint=f"if only the image has it, add {name} to base_image.gpu_libraries "
+            f"({loaded.where('base_image', 'gpu_libraries')}): "
             "preflight then stands it in; if it is a pure-Python package, the runtime lacks it (report it)")
     return ToolkitError(f"importing the patched vLLM failed at {where}: {failed.get('type')}: {failed.get('message')}",
                         hint=_where_hint(tree))

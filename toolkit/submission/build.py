@@ -51,6 +51,7 @@ class Built:
 def resolved_recipe(recipe: Recipe) -> str:
     """The recipe as the in-image step reads it: variant applied, patches beside it in the payload."""
     data = recipe.model_dump(mode="json", exclude_defaults=True)
+    data.pop("patches", None)  # last, however the recipe spelled it (the default, `toolkit:`, a path): one text
     data["patches"] = "../patches"
     data.pop("variants", None)
     data.pop("matrix", None)

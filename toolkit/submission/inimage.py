@@ -220,7 +220,8 @@ def run(recipe_path: str, rootfs: Path, verify_only: bool = False, given: dict[s
         for r in results:
             line = f"{r.transform} {r.root}"
             if r.state is State.DRIFTED:
-                say(False, f"{line}: {' '.join(r.message.split())} ({loaded.path.name}:{r.recipe_line})")
+                at = f"{loaded.path.name}:{r.origin.line}" if r.origin else loaded.path.name
+                say(False, f"{line}: {' '.join(r.message.split())} ({at})")
             else:
                 say(True, f"{line} {r.state.value}")
 
