@@ -111,8 +111,11 @@ def test_crlf_inputs_never_reach_the_submission(cli, tmp_path: Path) -> None:
         (patches / rel).write_bytes((REPO / "patches/src" / rel).read_bytes().replace(b"\n", b"\r\n"))
     recipe = tmp_path / "recipes" / "bi100-qwen36.yaml"
     recipe.parent.mkdir()
-    recipe.write_bytes(FLAGSHIP.read_bytes().replace(b"patches: ../patches/src", b"patches: ../patches")
-                       .replace(b"\n", b"\r\n"))
+    recipe.write_bytes(FLAGSHIP.read_bytes().replace(b"\n", b"\r\n"))
+    for layer in (REPO / "layers").iterdir():  # its layers CRLF too, with this folder's patches
+        (tmp_path / "layers").mkdir(exist_ok=True)
+        (tmp_path / "layers" / layer.name).write_bytes(
+            layer.read_bytes().replace(b'patches: "toolkit:"', b"patches: ../patches").replace(b"\n", b"\r\n"))
     out = tmp_path / "sub"
     assert cli("build", recipe, "-o", out).code == 0
     for path in out.rglob("*"):

@@ -13,7 +13,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("shared", ("toolkit", "toolkit.errors", "toolkit.results", "toolkit.fields", "toolkit.yamlpos",
                 "toolkit.resources", "toolkit.markers")),
     ("transforms", ("toolkit.transforms",)),
-    ("recipe", ("toolkit.recipe", "toolkit.variants")),
+    ("recipe", ("toolkit.layers", "toolkit.recipe", "toolkit.variants")),
     ("sources", ("toolkit.inputs", "toolkit.corexlike", "toolkit.pinned", "toolkit.pyenv", "toolkit.compare")),
     ("engine", ("toolkit.engine", "toolkit.startup", "toolkit.trial")),
     ("lint", ("toolkit.lint",)),

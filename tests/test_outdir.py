@@ -56,6 +56,7 @@ def test_force_on_the_current_folder_holding_a_checkout_deletes_nothing(cli, tmp
     checkout = tmp_path / "checkout"
     (checkout / "recipes").mkdir(parents=True)
     shutil.copy2(FLAGSHIP, checkout / "recipes" / FLAGSHIP.name)
+    shutil.copytree(REPO / "layers", checkout / "layers")
     shutil.copytree(REPO / "patches", checkout / "patches")
     git.Repo.init(checkout)
     before = tree_digest(checkout)
@@ -68,14 +69,14 @@ def test_force_on_the_current_folder_holding_a_checkout_deletes_nothing(cli, tmp
     assert result.code == 2 and tree_digest(checkout) == before
 
 
-@pytest.mark.parametrize("where", ["root", "home", "recipe", "patches", "checkout"])
+@pytest.mark.parametrize("where", ["root", "home", "recipe", "layer", "patches", "checkout"])
 def test_protected_folders_are_refused_whatever_the_flags(where: str, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # checked on the guard itself: a broken guard must not get the chance to touch / or $HOME
     monkeypatch.chdir(tmp_path)
     loaded = load_recipe(FLAGSHIP)
     folder = {"root": Path("/"), "home": Path.home(), "recipe": FLAGSHIP.parent, "patches": loaded.patches_dir,
-              "checkout": REPO}[where]
+              "layer": Path(loaded.layers[0]).parent, "checkout": REPO}[where]
     assert protected_problem(folder, loaded)
     for force in (False, True):
         with pytest.raises(cli_mod.ToolkitError, match="nothing was touched"):

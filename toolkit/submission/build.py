@@ -16,6 +16,7 @@ import yaml
 from toolkit import __version__
 from toolkit.errors import ToolkitError
 from toolkit.inputs import COMPLETE
+from toolkit.layers import TOOLKIT_LAYER
 from toolkit.lint import lint
 from toolkit.pinned import SOURCE_INFO, source_info
 from toolkit.recipe import LoadedRecipe, Recipe, Source
@@ -236,7 +237,9 @@ def protected_problem(outdir: Path, loaded: LoadedRecipe) -> str | None:
     target = outdir.resolve()
     if target == Path(target.anchor) or target == Path.home().resolve():
         return f"{outdir} is {'the root folder' if target == Path(target.anchor) else 'your home folder'}"
-    for label, path in (("the current folder", Path.cwd()), ("the recipe", loaded.path),
+    layers = [("a layer of the recipe", Path(layer)) for layer in loaded.layers[:-1]
+              if not layer.startswith(TOOLKIT_LAYER)]
+    for label, path in (("the current folder", Path.cwd()), ("the recipe", loaded.path), *layers,
                         ("the patches folder", loaded.patches_dir), ("the toolkit checkout", PACKAGE.parent)):
         if _contains(target, path.resolve()):
             return f"{outdir} contains {label} ({path})"
