@@ -281,3 +281,35 @@ def test_show_refuses_a_broken_include(cli, tmp_path: Path) -> None:
     result = cli("show", top, "--json")
     assert result.code == 2 and "gone.yaml not found" in result.json()["error"]
 
+
+
+# -- a second model from the same image layer -----------------------------------------------------------------------
+
+QWEN25 = REPO / "recipes" / "bi100-qwen25.yaml"
+
+
+def test_a_second_model_shares_the_image_layer_and_copies_no_transform() -> None:
+    flagship, qwen25 = load_recipe(FLAGSHIP), load_recipe(QWEN25)
+    assert qwen25.layers[:2] == (str(LAYERS / "corex-3.2.3.yaml"), str(LAYERS / "vllm-probes.yaml"))
+    assert set(qwen25.layers[:2]) <= set(flagship.layers)
+    assert all(str(qwen25.transform_origin(i)).startswith(str(LAYERS)) for i in range(len(qwen25.recipe.transforms)))
+    assert "transforms:" not in QWEN25.read_text() and qwen25.recipe.sources == []
+    assert qwen25.recipe.model is not None and qwen25.recipe.model.architecture == "Qwen2ForCausalLM"
+    assert qwen25.recipe.serve.args["tool-call-parser"] == "hermes"
+
+
+def test_the_second_model_lints_builds_checks_and_preflights(cli, tmp_path: Path) -> None:
+    lint = cli("lint", QWEN25, "--strict", "--json")
+    assert lint.code == 0, lint.out
+    kv = next(i for i in lint.json()["issues"] if i["rule"] == "kv-cache")
+    assert kv["file"] == str(QWEN25) and "28 attention layers" in kv["message"]
+    out = tmp_path / "submission"
+    build = cli("build", QWEN25, "-o", out, "--json")
+    assert build.code == 0, build.out
+    results = build.json()["results"]
+    assert results and {r["state"] for r in results} == {"WOULD_APPLY"}  # every transform tried on the fixture
+    assert {r["transform"] for r in results} == {t.id for t in load_recipe(QWEN25).recipe.transforms}
+    assert cli("check", out).code == 0
+    preflight = cli("preflight", QWEN25, "--all-variants", "--json")
+    assert preflight.code == 0, preflight.out
+    assert "vllm.model_executor.models.qwen2.Qwen2ForCausalLM" in preflight.out
