@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.errors import RecipeError
+from toolkit.resources import TOOLKIT_PATCHES, resource
 from toolkit.yamlpos import Located, Mark, Path_, YamlLoadError, load
 
 INCLUDE = "include"
@@ -32,7 +33,6 @@ GROUP_DEFAULTS = "defaults"
 TOOLKIT_LAYER = "toolkit:"  # `include: toolkit:NAME`: a layer the toolkit installs with
 NAMED_LISTS = ("sources", "packages")  # lists merged by their items' `name`
 PATH_FIELDS = (("patches",), ("sources", "*", "path"), ("sources", "*", "digests"))
-UNREBASED = "toolkit:"  # `patches: toolkit:` names the toolkit's own folder, wherever the layer is
 
 
 @dataclass
@@ -80,8 +80,6 @@ def _error(mark: Mark | None, file: str, message: str, *, key: str | None = None
 
 
 def layer_folder() -> Path:
-    from toolkit.resources import resource
-
     return resource("layers")
 
 
@@ -110,7 +108,7 @@ def _expand_groups(transforms: Tree, file: str, outer: Tree | None = None) -> Tr
                 raise _error(node.mark(GROUP_DEFAULTS), file, "a group's `defaults` is a mapping of fields every "
                              "member shares; `id` and `kind` are each member's own", key=f"transforms.{index}.defaults")
             if outer is not None:  # a group inside a group: the inner defaults over the outer
-                defaults = _merged_defaults(outer, defaults)
+                defaults = _with_defaults(defaults, outer)
             members = _expand_groups(node.sub("transforms"), file, defaults)
             for member in range(len(members.data)):
                 _append(out, members.sub(member))
@@ -121,17 +119,8 @@ def _expand_groups(transforms: Tree, file: str, outer: Tree | None = None) -> Tr
     return out
 
 
-def _merged_defaults(outer: Tree, inner: Tree) -> Tree:
-    merged = Tree(dict(outer.data), dict(outer.marks), dict(outer.key_marks))
-    for key in inner.data:
-        merged.data[key] = inner.data[key]
-        _graft(merged.marks, (key,), inner.sub(key).marks)
-        _graft(merged.key_marks, (key,), inner.sub(key).key_marks)
-        merged.key_marks[(key,)] = inner.key_marks[(key,)]  # a mapping's keys all have marks
-    return merged
-
-
 def _with_defaults(member: Tree, defaults: Tree) -> Tree:
+    """`member` with every field of `defaults` it does not set, each keeping the mark of where defaults said it."""
     out = Tree(dict(member.data), dict(member.marks), dict(member.key_marks))
     for key, value in defaults.data.items():
         if key not in out.data:
@@ -271,7 +260,8 @@ def _rebase(tree: Tree, folder: Path, top: Path) -> None:
     """Relative path fields of one file made relative to the top recipe's folder."""
     def fix(node: Any, pattern: tuple[str, ...]) -> Any:
         if not pattern:
-            if isinstance(node, str) and node != UNREBASED and not os.path.isabs(node):
+            # `patches: toolkit:` names the toolkit's own folder, wherever the layer is
+            if isinstance(node, str) and node != TOOLKIT_PATCHES and not os.path.isabs(node):
                 return os.path.relpath(os.path.normpath(folder / node), top)
             return node
         head, rest = pattern[0], pattern[1:]
