@@ -131,7 +131,76 @@ def test_a_missing_include_and_a_cycle_name_the_chain(tmp_path: Path) -> None:
     write(tmp_path, "self.yaml", BASE + "include: self.yaml\n")
     assert "include cycle" in str(error(tmp_path / "self.yaml"))
     write(tmp_path, "bad.yaml", BASE + "include: [1, 2]\n")
-    assert "include is a list of recipe files" in str(error(tmp_path / "bad.yaml"))
+    assert "include takes recipe files, got 1" in str(error(tmp_path / "bad.yaml"))
+
+
+def test_include_errors_deeper_in_the_chain_name_it(tmp_path: Path) -> None:
+    top = write(tmp_path, "top.yaml", BASE + "include: [a.yaml]\n")
+    a = write(tmp_path, "a.yaml", "include:\n  - b.yaml\n  - 3\n")
+    write(tmp_path, "b.yaml", "env: {C: '1'}\n")
+    err = error(top)
+    assert err.file == str(a) and err.line == 3 and "got 3" in str(err) and f"included from {top}:" in str(err)
+    a.write_text("include: [b.yaml, c.yaml]\n")
+    write(tmp_path, "c.yaml", "include: [b.yaml]\n")  # b twice: its transforms would be repeated
+    err = error(top)
+    assert "b.yaml is included twice (first at" in str(err) and err.file == str(tmp_path / "c.yaml")
+    a.write_text("include: [b.yaml]\n")
+    (tmp_path / "b.yaml").write_bytes(b"env: {C: '\xff'}\n")
+    err = error(top)
+    assert "not UTF-8" in str(err) and f"included from {a}:1" in str(err)
+    top.write_text(BASE + "include: ['toolkit:../recipes/bi100-qwen36.yaml']\n")
+    assert "include takes recipe files" in str(error(top))
+
+
+def test_malformed_lists_are_refused_not_dropped(tmp_path: Path) -> None:
+    plain = write(tmp_path, "plain.yaml", BASE.split("transforms:")[0] + "transforms: 5\n")
+    assert "transforms" in str(error(plain)) and "list" in str(error(plain))
+    base = write(tmp_path, "base.yaml", BASE.replace("transforms:\n  - id: one", "transforms:\n    id: one")
+                 .split("  - id: two")[0])
+    top = write(tmp_path, "top.yaml", "include: base.yaml\ntransforms:\n" + TRANSFORM.format(id="three"))
+    err = error(top)
+    assert err.file == str(base) and "transforms is a list" in str(err)
+    write(tmp_path, "src.yaml", BASE + "sources: {name: x}\n")
+    top.write_text("include: src.yaml\nsources:\n  - {name: [y]}\n")
+    assert "sources is a list" in str(error(top))
+    top.write_text(BASE + "  - defaults: {why: w}\n    transforms: {id: x}\n")
+    assert "a group's `transforms` is a list" in str(error(top))
+
+
+def test_instead_of_replaces_an_included_transform_once(tmp_path: Path) -> None:
+    write(tmp_path, "base.yaml", BASE)
+    top = write(tmp_path, "top.yaml", "include: base.yaml\ntransforms:\n" + TRANSFORM.format(id="n1")
+                + TRANSFORM.format(id="n2") + "    instead_of: n1\n")
+    assert "instead_of 'n1': no earlier layer has a transform of that id" in str(error(top))  # its own file's
+    top.write_text("include: base.yaml\ntransforms:\n" + TRANSFORM.format(id="one") + "    instead_of: one\n"
+                   + TRANSFORM.format(id="x") + "    instead_of: one\n")
+    assert "instead_of 'one': already replaced by the transform at" in str(error(top))
+    top.write_text("include: base.yaml\ntransforms:\n" + TRANSFORM.format(id="x") + "    instead_of: [one]\n")
+    assert "instead_of ['one']" in str(error(top))
+    write(tmp_path, "none.yaml", "env: {C: '1'}\n")
+    top.write_text("include: none.yaml\n" + BASE + TRANSFORM.format(id="x") + "    instead_of: nope\n")
+    assert "instead_of 'nope': no earlier layer" in str(error(top))
+
+
+def test_a_recipe_level_error_points_at_the_recipe(tmp_path: Path) -> None:
+    write(tmp_path, "base.yaml", BASE.replace("name: base\n", ""))
+    top = write(tmp_path, "top.yaml", "include: base.yaml\nenv: {C: '1'}\n")
+    err = error(top)
+    assert "missing required key 'name'" in str(err) and err.file == str(top) and err.line == 1
+
+
+def test_a_layer_through_a_symlinked_folder(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    write(shared, "layers/a.yaml", BASE + "patches: ../patches\ninclude: [../common/c.yaml]\n")
+    write(shared, "common/c.yaml", "env: {C: '1'}\n")
+    (shared / "patches").mkdir()
+    project = tmp_path / "project" / "recipes"
+    project.mkdir(parents=True)
+    (project / "vl").symlink_to(shared / "layers")
+    top = write(project, "top.yaml", "include: [vl/a.yaml]\n")
+    loaded = load_recipe(top)
+    assert loaded.patches_dir == (shared / "patches").resolve() and loaded.recipe.env["C"] == "1"
+    assert all(Path(layer).exists() for layer in loaded.layers), loaded.layers
 
 
 def test_an_error_inside_a_layer_names_the_layer(tmp_path: Path) -> None:
@@ -276,6 +345,14 @@ def test_show_json_and_table(cli) -> None:
     assert table.code == 0 and "probe-paged-attention" in table.out and "vllm-probes.yaml" in table.out
 
 
+def test_show_resolved_loads_back_whatever_the_keys(cli, tmp_path: Path) -> None:
+    top = write(tmp_path, "top.yaml", BASE + 'description: "a\\x7fb\\x85c"\nvariants:\n'
+                '  "no": {env: {"ON": "1", "YES": "2", "Null": "3"}}\n  "on": {}\n')
+    result = cli("show", top, "--resolved")
+    assert result.code == 0, result.err
+    assert yaml.safe_load(result.out) == load_recipe(top).located.data
+
+
 def test_show_refuses_a_broken_include(cli, tmp_path: Path) -> None:
     top = write(tmp_path, "top.yaml", "include: [gone.yaml]\n")
     result = cli("show", top, "--json")
@@ -313,3 +390,11 @@ def test_the_second_model_lints_builds_checks_and_preflights(cli, tmp_path: Path
     preflight = cli("preflight", QWEN25, "--all-variants", "--json")
     assert preflight.code == 0, preflight.out
     assert "vllm.model_executor.models.qwen2.Qwen2ForCausalLM" in preflight.out
+
+
+def test_a_build_refused_by_lint_names_the_layer(cli, tmp_path: Path) -> None:
+    layer = write(tmp_path, "layers/env.yaml", "env:\n  VLLM_ATTENTION_BACKEND: FLASH_ATTN\n")
+    top = write(tmp_path, "top.yaml", f"include: [{FLAGSHIP}, layers/env.yaml]\n")
+    result = cli("build", top, "-o", tmp_path / "out")
+    assert result.code == 2 and f"attention-backend {layer}:2:" in result.err, result.err
+    assert not (tmp_path / "out").exists()

@@ -32,6 +32,7 @@ INSTEAD_OF = "instead_of"
 GROUP_DEFAULTS = "defaults"
 TOOLKIT_LAYER = "toolkit:"  # `include: toolkit:NAME`: a layer the toolkit installs with
 NAMED_LISTS = ("sources", "packages")  # lists merged by their items' `name`
+LISTS_MERGED = {("transforms",), *((name,) for name in NAMED_LISTS)}
 PATH_FIELDS = (("patches",), ("sources", "*", "path"), ("sources", "*", "digests"))
 
 
@@ -74,9 +75,8 @@ def _graft(marks: dict[Path_, Mark], at: Path_, tree_marks: dict[Path_, Mark]) -
 
 def _error(mark: Mark | None, file: str, message: str, *, key: str | None = None, hint: str | None = None,
            chain: tuple[str, ...] = ()) -> RecipeError:
-    via = "".join(f"\n  included from {where}" for where in reversed(chain))
     return RecipeError(mark.file if mark and mark.file else file, mark.line if mark else None,
-                       mark.column if mark else None, message + via, key=key, hint=hint)
+                       mark.column if mark else None, message + _via(chain), key=key, hint=hint)
 
 
 def layer_folder() -> Path:
@@ -103,6 +103,9 @@ def _expand_groups(transforms: Tree, file: str, outer: Tree | None = None) -> Tr
                              f"a group of transforms has `defaults` and `transforms` only, got "
                              f"{', '.join(sorted(item))}", key=f"transforms.{index}",
                              hint="{defaults: {requires: [...], remove_when: ...}, transforms: [- id: ...]}")
+            if not isinstance(item["transforms"], list):
+                raise _error(node.mark("transforms"), file, "a group's `transforms` is a list of transforms",
+                             key=f"transforms.{index}.transforms")
             defaults = node.sub(GROUP_DEFAULTS)
             if not isinstance(defaults.data, dict) or "id" in defaults.data or "kind" in defaults.data:
                 raise _error(node.mark(GROUP_DEFAULTS), file, "a group's `defaults` is a mapping of fields every "
@@ -141,57 +144,53 @@ def _append(items: Tree, item: Tree) -> None:
 # -- merging --------------------------------------------------------------------------------------------------------
 
 def _merge_transforms(base: Tree, later: Tree, file: str) -> Tree:
+    """The earlier layers' transforms, then the later file's: `instead_of` replaces one of the earlier ones."""
     out = Tree([])
-    ids: dict[str, int] = {}
+    earlier: dict[str, int] = {}  # id -> position, of the earlier layers' transforms only
+    replaced: dict[str, str] = {}  # id -> where the replacement that took its place is
     for index in range(len(base.data)):
         item = base.sub(index)
         _append(out, item)
         if isinstance(item.data, dict) and isinstance(item.data.get("id"), str):
-            ids[item.data["id"]] = index
+            earlier.setdefault(item.data["id"], index)
     for index in range(len(later.data)):
         item = later.sub(index)
-        data = item.data
-        if not isinstance(data, dict):
-            _append(out, item)
+        target = item.data.get(INSTEAD_OF) if isinstance(item.data, dict) else None
+        if target is None:
+            _append(out, item)  # a duplicate id is the loader's to report, with both places
             continue
-        target = data.get(INSTEAD_OF)
-        if target is not None:
-            if target not in ids:
-                raise _error(item.mark(INSTEAD_OF), file, f"instead_of {target!r}: no earlier layer has a transform "
-                             "of that id", key=INSTEAD_OF, hint=f"earlier ids: {', '.join(ids) or 'none'}")
-            position = ids.pop(target)
-            replacement = Tree({k: v for k, v in data.items() if k != INSTEAD_OF},
-                               {p: m for p, m in item.marks.items() if p[:1] != (INSTEAD_OF,)},
-                               {p: m for p, m in item.key_marks.items() if p[:1] != (INSTEAD_OF,)})
-            out.data[position] = replacement.data
-            _graft(out.marks, (position,), replacement.marks)
-            _graft(out.key_marks, (position,), replacement.key_marks)
-            if isinstance(data.get("id"), str):
-                ids.setdefault(data["id"], position)
-            continue
-        if isinstance(data.get("id"), str):
-            ids.setdefault(data["id"], len(out.data))
-        _append(out, item)  # a duplicate id is the loader's to report, with both places
+        mark = item.mark(INSTEAD_OF)
+        if not isinstance(target, str) or target in replaced or target not in earlier:
+            why = (f"already replaced by the transform at {replaced[target]}" if isinstance(target, str)
+                   and target in replaced else "no earlier layer has a transform of that id")
+            raise _error(mark, file, f"instead_of {target!r}: {why}", key=f"transforms.{index}.{INSTEAD_OF}",
+                         hint="instead_of names a transform of an included layer (here: "
+                         f"{', '.join(earlier) or 'none'})")
+        position = earlier[target]
+        replaced[target] = where(item.mark(), file)
+        data = {k: v for k, v in item.data.items() if k != INSTEAD_OF}
+        out.data[position] = data
+        _graft(out.marks, (position,), {p: m for p, m in item.marks.items() if p[:1] != (INSTEAD_OF,)})
+        _graft(out.key_marks, (position,), {p: m for p, m in item.key_marks.items() if p[:1] != (INSTEAD_OF,)})
     return out
 
 
-def _merge_named(base: Tree, later: Tree) -> Tree:
+def _merge_named(base: Tree, later: Tree, file: str, key: str) -> Tree:
     out = Tree([])
-    names: dict[Any, int] = {}
-    for index in range(len(base.data)):
-        item = base.sub(index)
-        if isinstance(item.data, dict) and "name" in item.data:
-            names[item.data["name"]] = index
-        _append(out, item)
-    for index in range(len(later.data)):
-        item = later.sub(index)
-        name = item.data.get("name") if isinstance(item.data, dict) else None
-        if name is not None and name in names:
-            position = names[name]
-            out.data[position] = item.data
-            _graft(out.marks, (position,), item.marks)
-            _graft(out.key_marks, (position,), item.key_marks)
-        else:
+    names: dict[str, int] = {}
+    for tree in (base, later):
+        for index in range(len(tree.data)):
+            item = tree.sub(index)
+            name = item.data.get("name") if isinstance(item.data, dict) else None
+            if name is not None and not isinstance(name, str):
+                raise _error(item.mark("name"), file, f"{key}[{index}].name is a string, got {name!r}",
+                             key=f"{key}.{index}.name")
+            if tree is later and name in names:
+                position = names[name]
+                out.data[position] = item.data
+                _graft(out.marks, (position,), item.marks)
+                _graft(out.key_marks, (position,), item.key_marks)
+                continue
             if name is not None:
                 names[name] = len(out.data)
             _append(out, item)
@@ -200,15 +199,22 @@ def _merge_named(base: Tree, later: Tree) -> Tree:
 
 def merge(base: Tree, later: Tree, file: str, path: Path_ = ()) -> Tree:
     """`later` over `base`, by the rules in the module's docstring."""
+    if path in LISTS_MERGED:
+        key = str(path[0])
+        for tree in (base, later):
+            if not isinstance(tree.data, list):
+                raise _error(tree.mark(), file, f"{key} is a list (a layer's list is merged with the others)",
+                             key=key)
+        return _merge_transforms(base, later, file) if key == "transforms" else _merge_named(base, later, file, key)
     if not (isinstance(base.data, dict) and isinstance(later.data, dict)):
-        if path == ("transforms",) and isinstance(base.data, list) and isinstance(later.data, list):
-            return _merge_transforms(base, later, file)
-        if path in {(n,) for n in NAMED_LISTS} and isinstance(base.data, list) and isinstance(later.data, list):
-            return _merge_named(base, later)
         return later
     out = Tree(dict(base.data), dict(base.marks), dict(base.key_marks))
+    if () in later.marks:
+        out.marks[()] = later.marks[()]  # the mapping is where its latest layer writes it (a missing key points there)
     for key in later.data:
-        value = merge(base.sub(key), later.sub(key), file, (*path, key)) if key in base.data else later.sub(key)
+        empty = Tree([]) if (*path, key) in LISTS_MERGED else None  # so the later list is checked as a merge
+        earlier = base.sub(key) if key in base.data else empty
+        value = later.sub(key) if earlier is None else merge(earlier, later.sub(key), file, (*path, key))
         out.data[key] = value.data
         _graft(out.marks, (key,), value.marks)
         _graft(out.key_marks, (key,), value.key_marks)
@@ -218,6 +224,10 @@ def merge(base: Tree, later: Tree, file: str, path: Path_ = ()) -> Tree:
 
 
 # -- one file and its includes ---------------------------------------------------------------------------------------
+
+def _via(chain: tuple[str, ...]) -> str:
+    return "".join(f"\n  included from {where}" for where in reversed(chain))
+
 
 def _read(path: Path, shown: str, mark: Mark | None, file: str, chain: tuple[str, ...]) -> str:
     try:
@@ -232,28 +242,32 @@ def _read(path: Path, shown: str, mark: Mark | None, file: str, chain: tuple[str
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise RecipeError(shown, None, None, f"recipe is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise RecipeError(shown, None, None, f"recipe is not UTF-8 ({exc.reason} at byte {exc.start})"
+                          + _via((*chain, where(mark, file)))) from None
 
 
-def _includes(tree: Tree, file: str) -> list[tuple[str, Mark | None]]:
-    if not isinstance(tree.data, dict) or INCLUDE not in tree.data:
+def _includes(tree: Tree, file: str, chain: tuple[str, ...]) -> list[tuple[str, Mark | None]]:
+    if INCLUDE not in tree.data:
         return []
     value = tree.data[INCLUDE]
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(i, str) and i for i in items):
-        raise _error(tree.mark(INCLUDE), file, "include is a list of recipe files (relative to this file, or "
-                     "toolkit:NAME)", key=INCLUDE)
-    return [(item, tree.mark(INCLUDE, index) if isinstance(value, list) else tree.mark(INCLUDE))
-            for index, item in enumerate(items)]
+    pairs = [(item, tree.mark(INCLUDE, i)) for i, item in enumerate(value)] if isinstance(value, list) \
+        else [(value, tree.mark(INCLUDE))]
+    for item, mark in pairs:
+        name = item.removeprefix(TOOLKIT_LAYER) if isinstance(item, str) else ""
+        if not name or (item.startswith(TOOLKIT_LAYER) and ".." in Path(name).parts):
+            raise _error(mark, file, f"include takes recipe files, got {item!r} (a path relative to this file, or "
+                         f"{TOOLKIT_LAYER}NAME for a layer installed with the toolkit)", key=INCLUDE, chain=chain)
+    return pairs
 
 
 def _target(item: str, including: Path) -> tuple[Path, str]:
-    """Where an include points, and how to name it in messages."""
+    """Where an include points, and how to name it in messages (the real path where a symlink makes the spelled
+    one lie: `..` after a symlinked folder is the link target's parent)."""
     if item.startswith(TOOLKIT_LAYER):
-        path = layer_folder() / item[len(TOOLKIT_LAYER):]
-        return path, item
+        return layer_folder() / item[len(TOOLKIT_LAYER):], item
     path = including.parent / item
-    return path, os.path.normpath(str(path))
+    shown = os.path.normpath(str(path))
+    return path, shown if Path(shown).resolve() == path.resolve() else str(path.resolve())
 
 
 def _rebase(tree: Tree, folder: Path, top: Path) -> None:
@@ -262,7 +276,7 @@ def _rebase(tree: Tree, folder: Path, top: Path) -> None:
         if not pattern:
             # `patches: toolkit:` names the toolkit's own folder, wherever the layer is
             if isinstance(node, str) and node != TOOLKIT_PATCHES and not os.path.isabs(node):
-                return os.path.relpath(os.path.normpath(folder / node), top)
+                return os.path.relpath((folder / node).resolve(), top.resolve())
             return node
         head, rest = pattern[0], pattern[1:]
         if head == "*" and isinstance(node, list):
@@ -277,13 +291,22 @@ def _rebase(tree: Tree, folder: Path, top: Path) -> None:
         tree.data = fix(tree.data, pattern)
 
 
-def _compose(located: Located, file: str, path: Path, top: Path, chain: tuple[str, ...],
-             seen: tuple[Path, ...], files: list[str]) -> Tree:
+@dataclass
+class _Walk:
+    """One compose: the top recipe's folder, the files in merge order, and where each was first included."""
+
+    top: Path
+    files: list[str] = field(default_factory=list)
+    included: dict[Path, str] = field(default_factory=dict)
+
+
+def _compose(located: Located, file: str, path: Path, chain: tuple[str, ...], seen: tuple[Path, ...],
+             walk: _Walk) -> Tree:
     tree = Tree.of(located)
     if not isinstance(tree.data, dict):
         return tree
-    base: Tree | None = None
-    for item, mark in _includes(tree, file):
+    base = Tree({})
+    for item, mark in _includes(tree, file, chain):
         target, shown = _target(item, path)
         here = (*chain, where(mark, file))
         resolved = target.resolve()
@@ -291,16 +314,19 @@ def _compose(located: Located, file: str, path: Path, top: Path, chain: tuple[st
             cycle = " -> ".join([*(str(s) for s in seen[seen.index(resolved):]), str(resolved)])
             raise _error(mark, file, f"include cycle: {cycle}", key=INCLUDE, chain=chain,
                          hint="a layer cannot include itself, directly or through another layer")
+        if resolved in walk.included:
+            raise _error(mark, file, f"{shown} is included twice (first at {walk.included[resolved]})", key=INCLUDE,
+                         chain=chain, hint="include each layer once: a second include would repeat its transforms")
+        walk.included[resolved] = where(mark, file)
         text = _read(target, shown, mark, file, chain)
         try:
             sub = load(text, shown)
         except YamlLoadError as exc:
             raise RecipeError(shown, exc.mark.line if exc.mark else None, exc.mark.column if exc.mark else None,
-                              exc.message + "".join(f"\n  included from {w}" for w in reversed(here))) from None
+                              exc.message + _via(here)) from None
         if not isinstance(sub.data, dict):
             raise _error(mark, file, f"included recipe file {shown} is not a YAML mapping", key=INCLUDE, chain=chain)
-        layer = _compose(sub, shown, target, top, here, (*seen, resolved), files)
-        base = layer if base is None else merge(base, layer, shown)
+        base = merge(base, _compose(sub, shown, target, here, (*seen, resolved), walk), shown)
     own = Tree({k: v for k, v in tree.data.items() if k != INCLUDE},
                {p: m for p, m in tree.marks.items() if p[:1] != (INCLUDE,)},
                {p: m for p, m in tree.key_marks.items() if p[:1] != (INCLUDE,)})
@@ -309,27 +335,15 @@ def _compose(located: Located, file: str, path: Path, top: Path, chain: tuple[st
         own.data["transforms"] = expanded.data
         _graft(own.marks, ("transforms",), expanded.marks)
         _graft(own.key_marks, ("transforms",), expanded.key_marks)
-    _rebase(own, path.parent, top)
-    files.append(file)
-    if base is None:
-        return _strip_instead_of(own, file)
+    _rebase(own, path.parent, walk.top)
+    walk.files.append(file)
     return merge(base, own, file)
-
-
-def _strip_instead_of(tree: Tree, file: str) -> Tree:
-    """The bottom layer: nothing earlier to replace."""
-    for index, item in enumerate(tree.data.get("transforms") or []):
-        if isinstance(item, dict) and INSTEAD_OF in item:
-            raise _error(tree.mark("transforms", index, INSTEAD_OF), file,
-                         f"instead_of {item[INSTEAD_OF]!r}: no earlier layer has a transform of that id",
-                         key=INSTEAD_OF, hint="instead_of replaces a transform of an included layer")
-    return tree
 
 
 def compose(located: Located, file: str) -> tuple[Located, list[str]]:
     """A loaded recipe with its includes merged in and its groups expanded; and the files it is made of, in merge
     order (the recipe itself last)."""
     path = Path(file)
-    files: list[str] = []
-    tree = _compose(located, file, path, path.parent, (), (path.resolve(),), files)
-    return tree.located(), files
+    walk = _Walk(path.parent)
+    tree = _compose(located, file, path, (), (path.resolve(),), walk)
+    return tree.located(), walk.files

@@ -593,7 +593,7 @@ def parse_recipe(text: str, source: str = "<recipe>") -> tuple[Recipe, Located, 
                 f"{first.file or source}:{first.line})" if first else f"duplicate transform id {transform.id!r}",
                 key=f"transforms.{index}.id",
                 hint="give every transform its own id: the id is also its marker in patched files"
-                + (f"; to replace the included one, write `instead_of: {transform.id}` in the later"
+                + (f"; to replace the included one, write `instead_of: {transform.id}` in the later one"
                    if first and mark and first.file != mark.file else ""),
             )
         seen[transform.id] = index

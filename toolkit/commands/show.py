@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from toolkit.recipe import LoadedRecipe, load_recipe
 from toolkit.results import Report
@@ -40,12 +43,17 @@ def origins(loaded: LoadedRecipe) -> dict[str, str]:
 
 
 def _scalar(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)  # JSON scalars are YAML scalars, and say exactly what they hold
+    """A YAML scalar that loads back as exactly this value: JSON's spelling (ASCII, every other character escaped),
+    which YAML reads the same, except the floats JSON has no word for."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+    return json.dumps(value)
 
 
 def _key(key: str | int) -> str:
-    return str(key) if isinstance(key, int) or (PLAIN_KEY.match(key) and key not in ("null", "true", "false")) \
-        else _scalar(key)
+    if isinstance(key, str) and PLAIN_KEY.match(key) and yaml.safe_load(key) == key:
+        return key
+    return str(key) if isinstance(key, int) and not isinstance(key, bool) else _scalar(key)
 
 
 def resolved_yaml(loaded: LoadedRecipe) -> str:

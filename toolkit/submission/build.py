@@ -188,7 +188,7 @@ def _commit(repo_dir: Path, message: str, branch: str) -> tuple[str, str]:
 def refuse_on_lint(loaded: LoadedRecipe, recipe: Recipe, variant: str | None) -> None:
     errors = [i for i in lint(loaded, recipe, variant=variant).issues if i.severity is Severity.ERROR]
     if errors:
-        lines = "\n".join(f"  {i.rule} {loaded.path}:{i.line}: {i.message}" for i in errors)
+        lines = "\n".join(f"  {i.rule} {i.origin or loaded.path}: {i.message}" for i in errors)
         raise ToolkitError(f"the recipe{f' (variant {variant})' if variant else ''} cannot start; lint found "
                            f"{len(errors)} error(s):\n{lines}", hint="fix them, or see `toolkit lint` for details")
 
