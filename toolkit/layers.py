@@ -13,7 +13,8 @@ Inside one file, a `transforms` item `{defaults: {...}, transforms: [...]}` is a
 field of `defaults` it does not set itself (the probes' shared `requires` and `remove_when` said once).
 
 `include:` takes paths relative to the including file, or `toolkit:NAME` for a layer the toolkit installs with
-(its `layers/` folder). A missing file and a cycle are errors that name the chain of includes, file:line each.
+(its `layers/` folder). A missing file, a cycle and a layer included twice are errors that name the chain of
+includes, file:line each.
 """
 
 from __future__ import annotations
