@@ -157,6 +157,33 @@ SERVING_PATH = {
                                     ["\ntorch._dynamo.config", '\n    @dump_input_when_exception']),
     # GemmaRMSNorm's forward_static is not compiled
     "vllm/model_executor/layers/layernorm.py": ([], ["torch.compile("]),
+    # ixformer's xops and masks, a head_mapping for the decode, no GQA expansion, the flash op for the prefill
+    "vllm/attention/backends/xformers.py": ([
+        "\nfrom ixformer.contrib.xformers import ops as xops\n",
+        "from ixformer.contrib.xformers.ops.fmha.attn_bias import (BlockDiagonalCausalMask,",
+        "from xformers.ops.fmha.attn_bias import (AttentionBias, )",
+        "self.head_mapping = torch.repeat_interleave(\n            torch.arange(self.num_kv_heads, "
+        "dtype=torch.int32), self.num_queries_per_kv)",
+        "                self.kv_cache_dtype,\n                self.head_mapping,\n                self.scale,",
+        "scale=self.scale,\n                op=xops.fmha.flash.FwOp())"],
+        ["GQA/MQA requires the shape", ".expand(key.shape[0], self.num_kv_heads", "self.kv_cache_dtype,\n"
+         "                self.num_kv_heads,"]),
+    # the TP all-reduce: ixformer's, on a group built from the device group, in place, not waited on
+    "vllm/distributed/parallel_state.py": ([
+        "\nfrom ixformer.distributed import all_reduce\n",
+        "ixformer_group = create_ixformer_group_from_pg(self.device_group)\n"
+        "        all_reduce(input_, group=ixformer_group, async_op=True)\n        return input_\n"],
+        ["torch.ops.vllm.inplace_all_reduce(input_,"]),
+    "vllm/model_executor/layers/linear.py": (["\nimport ixformer.functions as F\n"], []),
+    # the LM head's matmul is ixformer's
+    "vllm/model_executor/layers/vocab_parallel_embedding.py": (["return IXF.linear(x, layer.weight, bias)"],
+                                                               ["return F.linear(x, layer.weight, bias)"]),
+    # zero hidden rows: an empty [0, vocab] tensor, no LM head call
+    "vllm/model_executor/layers/logits_processor.py": (["if hidden_states.shape[0] == 0:\n            return "
+                                                        "torch.empty((0, self.vocab_size),"], []),
+    # multiprocessing workers start with spawn (upstream fork)
+    "vllm/envs.py": (['VLLM_WORKER_MULTIPROC_METHOD: str = "spawn"',
+                      'os.getenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")'], ['"fork"']),
 }
 
 

@@ -55,13 +55,11 @@ DOCUMENTED_EDITS: tuple[VendorEdit, ...] = (
                r'(\n(\s+)"Qwen2MoeForCausalLM": \("qwen2_moe", "Qwen2MoeForCausalLM"\),\n)',
                r'\1\2"Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),\n'
                r'\2"Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),\n'),
+    # the prefill passes ixformer's flash op (measured on the image's tree: a fresh FwOp per call)
     VendorEdit("vllm/attention/backends/xformers.py",
                r"(out = xops\.memory_efficient_attention_forward\(\n(\s+)query,\n\s+key,\n\s+value,\n"
                r"\s+attn_bias=attn_bias\[0\],\n\s+p=0\.0,\n\s+scale=self\.scale)\)",
-               r"\1,\n\2op=self.attn_op)"),
-    VendorEdit("vllm/attention/backends/xformers.py",
-               r"(\n(\s+)self\.kv_cache_dtype = kv_cache_dtype\n)",
-               r"\1\2self.attn_op = None  # ixformer flash op (CoreX)\n"),
+               r"\1,\n\2op=xops.fmha.flash.FwOp())"),
     VendorEdit("vllm/entrypoints/openai/api_server.py", r"\nimport re\n", r"\nimport regex as re\n"),
     VendorEdit("vllm/entrypoints/chat_utils.py", r'if model_type == "qwen2_vl":',
                r'if model_type in ("qwen2_vl","qwen2_5_vl"):', matches=2),
@@ -162,6 +160,42 @@ SERVING_PATH_EDITS: tuple[VendorEdit, ...] = (
     VendorEdit("vllm/worker/model_runner.py",
                r"\n    (@dump_input_when_exception\(exclude_args=\[0\], exclude_kwargs=\[\"self\"\]\))\n",
                r"\n    # \1\n"),
+    # the xformers backend: a head_mapping built once, passed to the decode where upstream passes num_kv_heads, and
+    # no GQA expansion before the prefill (query, key and value stay [1, tokens, heads, head_size])
+    VendorEdit("vllm/attention/backends/xformers.py",
+               r"(\n(\s+)self\.num_queries_per_kv = self\.num_heads // self\.num_kv_heads\n)",
+               r"\1\2self.head_mapping = torch.repeat_interleave(\n\2    torch.arange(self.num_kv_heads, "
+               r"dtype=torch.int32), self.num_queries_per_kv)\n"),
+    VendorEdit("vllm/attention/backends/xformers.py",
+               r"(\n\s+self\.kv_cache_dtype,\n(\s+))self\.num_kv_heads,(\n\s+self\.scale,)",
+               r"\1self.head_mapping,\3"),
+    VendorEdit("vllm/attention/backends/xformers.py",
+               r"\n        if self\.num_kv_heads != self\.num_heads:\n            # GQA/MQA requires the shape "
+               r"\[B, M, G, H, K\]\.\n(?:            [^\n]*\n|                [^\n]*\n)+?"
+               r"(?=        # Set attention bias if not provided\.)", "\n"),
+    # the TP all-reduce through ixformer on a group built from the device group, in place, nothing waited on
+    VendorEdit("vllm/distributed/parallel_state.py",
+               r"(\n        if self\.world_size == 1:\n            return input_\n\n)        if not "
+               r"supports_custom_op\(\):\n            self\._all_reduce_in_place\(input_\)\n            return "
+               r"input_\n(?:\n|        [^\n]*\n|            [^\n]*\n|                [^\n]*\n|"
+               r"                                              [^\n]*\n)+?            return input_\n",
+               "\\1        from ixformer.contrib.torch.extension.ixformer_torch.distributed import "
+               "create_ixformer_group_from_pg\n"
+               "        ixformer_group = create_ixformer_group_from_pg(self.device_group)\n"
+               "        all_reduce(input_, group=ixformer_group, async_op=True)\n        return input_\n"),
+    # the LM head's matmul is ixformer's
+    VendorEdit("vllm/model_executor/layers/vocab_parallel_embedding.py",
+               r"\n        return F\.linear\(x, layer\.weight, bias\)\n",
+               "\n        return IXF.linear(x, layer.weight, bias)\n"),
+    # no LM head call for zero rows: an empty [0, vocab] tensor
+    VendorEdit("vllm/model_executor/layers/logits_processor.py",
+               r"(\n        # Get the logits for the next tokens\.\n)",
+               "\n        if hidden_states.shape[0] == 0:\n            return torch.empty((0, self.vocab_size), "
+               "dtype=hidden_states.dtype,\n                               device=hidden_states.device)\\1"),
+    # multiprocessing workers start with spawn (upstream: fork)
+    VendorEdit("vllm/envs.py", r'(\n    VLLM_WORKER_MULTIPROC_METHOD: str = )"fork"', r'\1"spawn"'),
+    VendorEdit("vllm/envs.py", r'os\.getenv\("VLLM_WORKER_MULTIPROC_METHOD", "fork"\)',
+               'os.getenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")'),
     # GemmaRMSNorm's forward_static is not compiled
     VendorEdit("vllm/model_executor/layers/layernorm.py",
                r"\n        if not getattr\(self, \"_is_compiled\", False\):\n            self\.forward_static = "
