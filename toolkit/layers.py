@@ -64,6 +64,24 @@ class Tree:
     def located(self) -> Located:
         return Located(self.data, self.marks, self.key_marks)
 
+    def put(self, key: str | int, value: Tree) -> None:
+        """data[key] = value, with value's marks (a list index one past the end appends)."""
+        if isinstance(self.data, list) and key == len(self.data):
+            self.data.append(value.data)
+        else:
+            self.data[key] = value.data
+        _graft(self.marks, (key,), value.marks)
+        _graft(self.key_marks, (key,), value.key_marks)
+
+    def append(self, value: Tree) -> None:
+        self.put(len(self.data), value)
+
+    def without(self, key: str) -> Tree:
+        """A copy of this mapping without key, nor its marks."""
+        return Tree({k: v for k, v in self.data.items() if k != key},
+                    {p: m for p, m in self.marks.items() if p[:1] != (key,)},
+                    {p: m for p, m in self.key_marks.items() if p[:1] != (key,)})
+
 
 def _graft(marks: dict[Path_, Mark], at: Path_, tree_marks: dict[Path_, Mark]) -> None:
     """Put a subtree's marks under `at`, dropping what stood there before."""
@@ -74,8 +92,9 @@ def _graft(marks: dict[Path_, Mark], at: Path_, tree_marks: dict[Path_, Mark]) -
         marks[(*at, *path)] = mark
 
 
-def _error(mark: Mark | None, file: str, message: str, *, key: str | None = None, hint: str | None = None,
-           chain: tuple[str, ...] = ()) -> RecipeError:
+def error_at(mark: Mark | None, file: str, message: str, *, key: str | None = None, hint: str | None = None,
+             chain: tuple[str, ...] = ()) -> RecipeError:
+    """A RecipeError at a mark (its file, else `file`), with the chain of includes that led there."""
     return RecipeError(mark.file if mark and mark.file else file, mark.line if mark else None,
                        mark.column if mark else None, message + _via(chain), key=key, hint=hint)
 
@@ -100,46 +119,37 @@ def _expand_groups(transforms: Tree, file: str, outer: Tree | None = None) -> Tr
         if isinstance(item, dict) and GROUP_DEFAULTS in item:
             extra = sorted(set(item) - {GROUP_DEFAULTS, "transforms"})
             if extra or "transforms" not in item:
-                raise _error(node.mark(extra[0]) if extra else node.mark(), file,
+                raise error_at(node.mark(extra[0]) if extra else node.mark(), file,
                              f"a group of transforms has `defaults` and `transforms` only, got "
                              f"{', '.join(sorted(item))}", key=f"transforms.{index}",
                              hint="{defaults: {requires: [...], remove_when: ...}, transforms: [- id: ...]}")
             if not isinstance(item["transforms"], list):
-                raise _error(node.mark("transforms"), file, "a group's `transforms` is a list of transforms",
+                raise error_at(node.mark("transforms"), file, "a group's `transforms` is a list of transforms",
                              key=f"transforms.{index}.transforms")
             defaults = node.sub(GROUP_DEFAULTS)
             if not isinstance(defaults.data, dict) or "id" in defaults.data or "kind" in defaults.data:
-                raise _error(node.mark(GROUP_DEFAULTS), file, "a group's `defaults` is a mapping of fields every "
+                raise error_at(node.mark(GROUP_DEFAULTS), file, "a group's `defaults` is a mapping of fields every "
                              "member shares; `id` and `kind` are each member's own", key=f"transforms.{index}.defaults")
             if outer is not None:  # a group inside a group: the inner defaults over the outer
                 defaults = _with_defaults(defaults, outer)
             members = _expand_groups(node.sub("transforms"), file, defaults)
             for member in range(len(members.data)):
-                _append(out, members.sub(member))
+                out.append(members.sub(member))
             continue
         if outer is not None and isinstance(item, dict):
             node = _with_defaults(node, outer)
-        _append(out, node)
+        out.append(node)
     return out
 
 
 def _with_defaults(member: Tree, defaults: Tree) -> Tree:
     """`member` with every field of `defaults` it does not set, each keeping the mark of where defaults said it."""
     out = Tree(dict(member.data), dict(member.marks), dict(member.key_marks))
-    for key, value in defaults.data.items():
+    for key in defaults.data:
         if key not in out.data:
-            out.data[key] = value
-            _graft(out.marks, (key,), defaults.sub(key).marks)
-            _graft(out.key_marks, (key,), defaults.sub(key).key_marks)
+            out.put(key, defaults.sub(key))
             out.key_marks[(key,)] = defaults.key_marks[(key,)]
     return out
-
-
-def _append(items: Tree, item: Tree) -> None:
-    index = len(items.data)
-    items.data.append(item.data)
-    _graft(items.marks, (index,), item.marks)
-    _graft(items.key_marks, (index,), item.key_marks)
 
 
 # -- merging --------------------------------------------------------------------------------------------------------
@@ -151,28 +161,25 @@ def _merge_transforms(base: Tree, later: Tree, file: str) -> Tree:
     replaced: dict[str, str] = {}  # id -> where the replacement that took its place is
     for index in range(len(base.data)):
         item = base.sub(index)
-        _append(out, item)
+        out.append(item)
         if isinstance(item.data, dict) and isinstance(item.data.get("id"), str):
             earlier.setdefault(item.data["id"], index)
     for index in range(len(later.data)):
         item = later.sub(index)
         target = item.data.get(INSTEAD_OF) if isinstance(item.data, dict) else None
         if target is None:
-            _append(out, item)  # a duplicate id is the loader's to report, with both places
+            out.append(item)  # a duplicate id is the loader's to report, with both places
             continue
         mark = item.mark(INSTEAD_OF)
         if not isinstance(target, str) or target in replaced or target not in earlier:
             why = (f"already replaced by the transform at {replaced[target]}" if isinstance(target, str)
                    and target in replaced else "no earlier layer has a transform of that id")
-            raise _error(mark, file, f"instead_of {target!r}: {why}", key=f"transforms.{index}.{INSTEAD_OF}",
+            raise error_at(mark, file, f"instead_of {target!r}: {why}", key=f"transforms.{index}.{INSTEAD_OF}",
                          hint="instead_of names a transform of an included layer (here: "
                          f"{', '.join(earlier) or 'none'})")
         position = earlier[target]
         replaced[target] = where(item.mark(), file)
-        data = {k: v for k, v in item.data.items() if k != INSTEAD_OF}
-        out.data[position] = data
-        _graft(out.marks, (position,), {p: m for p, m in item.marks.items() if p[:1] != (INSTEAD_OF,)})
-        _graft(out.key_marks, (position,), {p: m for p, m in item.key_marks.items() if p[:1] != (INSTEAD_OF,)})
+        out.put(position, item.without(INSTEAD_OF))
     return out
 
 
@@ -184,17 +191,14 @@ def _merge_named(base: Tree, later: Tree, file: str, key: str) -> Tree:
             item = tree.sub(index)
             name = item.data.get("name") if isinstance(item.data, dict) else None
             if name is not None and not isinstance(name, str):
-                raise _error(item.mark("name"), file, f"{key}[{index}].name is a string, got {name!r}",
+                raise error_at(item.mark("name"), file, f"{key}[{index}].name is a string, got {name!r}",
                              key=f"{key}.{index}.name")
             if tree is later and name in names:
-                position = names[name]
-                out.data[position] = item.data
-                _graft(out.marks, (position,), item.marks)
-                _graft(out.key_marks, (position,), item.key_marks)
+                out.put(names[name], item)
                 continue
             if name is not None:
                 names[name] = len(out.data)
-            _append(out, item)
+            out.append(item)
     return out
 
 
@@ -204,7 +208,7 @@ def merge(base: Tree, later: Tree, file: str, path: Path_ = ()) -> Tree:
         key = str(path[0])
         for tree in (base, later):
             if not isinstance(tree.data, list):
-                raise _error(tree.mark(), file, f"{key} is a list (a layer's list is merged with the others)",
+                raise error_at(tree.mark(), file, f"{key} is a list (a layer's list is merged with the others)",
                              key=key)
         return _merge_transforms(base, later, file) if key == "transforms" else _merge_named(base, later, file, key)
     if not (isinstance(base.data, dict) and isinstance(later.data, dict)):
@@ -216,9 +220,7 @@ def merge(base: Tree, later: Tree, file: str, path: Path_ = ()) -> Tree:
         empty = Tree([]) if (*path, key) in LISTS_MERGED else None  # so the later list is checked as a merge
         earlier = base.sub(key) if key in base.data else empty
         value = later.sub(key) if earlier is None else merge(earlier, later.sub(key), file, (*path, key))
-        out.data[key] = value.data
-        _graft(out.marks, (key,), value.marks)
-        _graft(out.key_marks, (key,), value.key_marks)
+        out.put(key, value)
         if (key,) in later.key_marks:
             out.key_marks[(key,)] = later.key_marks[(key,)]
     return out
@@ -234,11 +236,11 @@ def _read(path: Path, shown: str, mark: Mark | None, file: str, chain: tuple[str
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise _error(mark, file, f"included recipe file {shown} not found", key=INCLUDE, chain=chain,
+        raise error_at(mark, file, f"included recipe file {shown} not found", key=INCLUDE, chain=chain,
                      hint="include paths are relative to the including file; `toolkit:NAME` names a layer the "
                      f"toolkit installs with ({layer_folder()})") from None
     except OSError as exc:
-        raise _error(mark, file, f"cannot read included recipe file {shown}: {exc.strerror}", key=INCLUDE,
+        raise error_at(mark, file, f"cannot read included recipe file {shown}: {exc.strerror}", key=INCLUDE,
                      chain=chain) from None
     try:
         return raw.decode("utf-8-sig")
@@ -256,7 +258,7 @@ def _includes(tree: Tree, file: str, chain: tuple[str, ...]) -> list[tuple[str, 
     for item, mark in pairs:
         name = item.removeprefix(TOOLKIT_LAYER) if isinstance(item, str) else ""
         if not name or (item.startswith(TOOLKIT_LAYER) and ".." in Path(name).parts):
-            raise _error(mark, file, f"include takes recipe files, got {item!r} (a path relative to this file, or "
+            raise error_at(mark, file, f"include takes recipe files, got {item!r} (a path relative to this file, or "
                          f"{TOOLKIT_LAYER}NAME for a layer installed with the toolkit)", key=INCLUDE, chain=chain)
     return pairs
 
@@ -313,10 +315,10 @@ def _compose(located: Located, file: str, path: Path, chain: tuple[str, ...], se
         resolved = target.resolve()
         if resolved in seen:
             cycle = " -> ".join([*(str(s) for s in seen[seen.index(resolved):]), str(resolved)])
-            raise _error(mark, file, f"include cycle: {cycle}", key=INCLUDE, chain=chain,
+            raise error_at(mark, file, f"include cycle: {cycle}", key=INCLUDE, chain=chain,
                          hint="a layer cannot include itself, directly or through another layer")
         if resolved in walk.included:
-            raise _error(mark, file, f"{shown} is included twice (first at {walk.included[resolved]})", key=INCLUDE,
+            raise error_at(mark, file, f"{shown} is included twice (first at {walk.included[resolved]})", key=INCLUDE,
                          chain=chain, hint="include each layer once: a second include would repeat its transforms")
         walk.included[resolved] = where(mark, file)
         text = _read(target, shown, mark, file, chain)
@@ -326,16 +328,11 @@ def _compose(located: Located, file: str, path: Path, chain: tuple[str, ...], se
             raise RecipeError(shown, exc.mark.line if exc.mark else None, exc.mark.column if exc.mark else None,
                               exc.message + _via(here)) from None
         if not isinstance(sub.data, dict):
-            raise _error(mark, file, f"included recipe file {shown} is not a YAML mapping", key=INCLUDE, chain=chain)
+            raise error_at(mark, file, f"included recipe file {shown} is not a YAML mapping", key=INCLUDE, chain=chain)
         base = merge(base, _compose(sub, shown, target, here, (*seen, resolved), walk), shown)
-    own = Tree({k: v for k, v in tree.data.items() if k != INCLUDE},
-               {p: m for p, m in tree.marks.items() if p[:1] != (INCLUDE,)},
-               {p: m for p, m in tree.key_marks.items() if p[:1] != (INCLUDE,)})
+    own = tree.without(INCLUDE)
     if "transforms" in own.data:
-        expanded = _expand_groups(own.sub("transforms"), file)
-        own.data["transforms"] = expanded.data
-        _graft(own.marks, ("transforms",), expanded.marks)
-        _graft(own.key_marks, ("transforms",), expanded.key_marks)
+        own.put("transforms", _expand_groups(own.sub("transforms"), file))
     _rebase(own, path.parent, walk.top)
     walk.files.append(file)
     return merge(base, own, file)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from toolkit.errors import RecipeError
 from toolkit.fields import ENV_PATTERN, ID_PATTERN, DottedName, Identifier, Strict, relative_path
-from toolkit.layers import GROUP_DEFAULTS, INCLUDE, INSTEAD_OF, TOOLKIT_LAYER, compose
+from toolkit.layers import GROUP_DEFAULTS, INCLUDE, INSTEAD_OF, TOOLKIT_LAYER, compose, error_at, where
 from toolkit.resources import TOOLKIT_PATCHES, resource
 from toolkit.results import Origin
 from toolkit.transforms import KINDS
@@ -552,10 +552,7 @@ def _format_error(source: str, located: Located, err: Any) -> RecipeError:
         hint = f"known kinds: {', '.join(sorted(TRANSFORM_MODELS))}"
     elif "input" in err and isinstance(err["input"], str | int | float | bool):
         message = f"{message} (got {err['input']!r})"
-    return RecipeError(
-        mark.file if mark and mark.file else source, mark.line if mark else None, mark.column if mark else None,
-        message, key=key, hint=hint
-    )
+    return error_at(mark, source, message, key=key, hint=hint)
 
 
 def parse_recipe(text: str, source: str = "<recipe>") -> tuple[Recipe, Located, list[str]]:
@@ -585,13 +582,9 @@ def parse_recipe(text: str, source: str = "<recipe>") -> tuple[Recipe, Located, 
         if transform.id in seen:
             mark = located.mark_for(("transforms", index, "id"))
             first = located.mark_for(("transforms", seen[transform.id], "id"))
-            raise RecipeError(
-                mark.file if mark and mark.file else source,
-                mark.line if mark else None,
-                mark.column if mark else None,
-                f"duplicate transform id {transform.id!r} (first used by transform #{seen[transform.id] + 1}, at "
-                f"{first.file or source}:{first.line})" if first else f"duplicate transform id {transform.id!r}",
-                key=f"transforms.{index}.id",
+            raise error_at(
+                mark, source, f"duplicate transform id {transform.id!r} (first used by transform "
+                f"#{seen[transform.id] + 1}, at {where(first, source)})", key=f"transforms.{index}.id",
                 hint="give every transform its own id: the id is also its marker in patched files"
                 + (f"; to replace the included one, write `instead_of: {transform.id}` in the later one"
                    if first and mark and first.file != mark.file else ""),
