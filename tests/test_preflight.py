@@ -57,7 +57,7 @@ def run_on_patched_tree(cli: Any, python: Path, rootfs: Path, flagship_args: lis
     env = runtime_env(tmp_path, roots_of(rootfs)[1])
     proc = subprocess.run([str(python), str(REPO / "tests" / script)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout), json.loads((tmp_path / "standins.json").read_text())
+    return json.loads(proc.stdout), standins.read_record(tmp_path / "standins.json")
 
 
 def by_variant(result: Any) -> dict[str, dict[str, Any]]:

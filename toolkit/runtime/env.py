@@ -10,11 +10,12 @@ from toolkit.pyenv import TORCH, cached_python, pip, venv
 
 KIND = "cpu-runtime"
 NAME = "vllm063"
-# what `import vllm` and its OpenAI CLI module need, found by importing until nothing was missing; the pins matter
+# what `import vllm`, its OpenAI CLI module and LLMEngine (its metrics: prometheus_client) need, found by importing
+# until nothing was missing; the pins matter
 # (compressed-tensors newer than 0.6 needs a newer transformers; numpy 2 breaks vLLM 0.6.3)
 REQUIREMENTS = ("transformers==4.55.3", "numpy<2.0.0", "compressed-tensors==0.6.0", "gguf==0.10.0", "psutil",
                 "msgspec", "pydantic", "sentencepiece", "cloudpickle", "mistral_common", "py-cpuinfo", "aiohttp",
-                "openai", "pyzmq", "partial-json-parser")
+                "openai", "pyzmq", "partial-json-parser", "prometheus_client")
 # must never be in it: each changes the code paths vLLM takes on a CPU
 ABSENT = ("intel_extension_for_pytorch", "triton", "xformers", "vllm")
 

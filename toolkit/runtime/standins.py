@@ -22,6 +22,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import os
+import signal
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -31,8 +32,11 @@ from typing import Any
 ENV = "TOOLKIT_GPU_STANDINS"  # the libraries to stand in, comma-separated
 ABSENT_ENV = "TOOLKIT_GPU_ABSENT"  # submodules of them the image lacks (they fail to import), comma-separated
 DEVICES_ENV = "TOOLKIT_EMULATED_DEVICES"  # JSON {"count", "memory_gb", "capability": [major, minor]}
+CPU_DEVICE_ENV = "TOOLKIT_CPU_DEVICE"  # read by toolkit_cpu_device alone
 RECORD_ENV = "TOOLKIT_GPU_STANDINS_RECORD"  # a file the record is written to at exit (JSON)
+RECORD_PID_ENV = "TOOLKIT_GPU_STANDINS_RECORD_PID"  # set by the first Python that records: the others write FILE.PID
 REFERENCES = Path(__file__).with_name("references")  # the CPU references (toolkit_references in the runtime)
+CPU_DEVICE = Path(__file__).with_name("cpu_device.py")  # the GPU path on CPU tensors (toolkit_cpu_device there)
 
 
 class StandInCalled(RuntimeError):
@@ -174,10 +178,39 @@ def install(libraries: Sequence[str], absent: Sequence[str] = ()) -> None:
 
 
 def _record_at_exit() -> None:
+    """The first Python that records writes the record file at exit; every Python it starts (a worker, vLLM's
+    engine process, a registry check) writes FILE.PID beside it, so none overwrites another (`read_record`)."""
     record_file = os.environ.get(RECORD_ENV)
-    if record_file and not getattr(_record_at_exit, "registered", False):
-        _record_at_exit.registered = True  # type: ignore[attr-defined]
-        atexit.register(lambda: Path(record_file).write_text(json.dumps(RECORD)))
+    if not record_file or getattr(_record_at_exit, "registered", False):
+        return
+    _record_at_exit.registered = True  # type: ignore[attr-defined]
+    first = os.environ.setdefault(RECORD_PID_ENV, str(os.getpid())) == str(os.getpid())
+    target = Path(record_file if first else f"{record_file}.{os.getpid()}")
+
+    def write() -> None:
+        partial = target.with_name(target.name + ".partial")
+        partial.write_text(json.dumps(dict(RECORD, pid=os.getpid())))
+        partial.replace(target)
+
+    atexit.register(write)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # a worker is stopped with SIGTERM (a daemon process at its parent's exit): exit through atexit, recorded
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def read_record(record_file: Path) -> dict[str, Any]:
+    """The record of the first Python, with every process it started under "processes" and the references that
+    ran counted over all of them in "computed"."""
+    record: dict[str, Any] = json.loads(record_file.read_text())
+    children = [json.loads(p.read_text()) for p in sorted(record_file.parent.glob(record_file.name + ".*"))
+                if p.suffix != ".partial"]
+    record["processes"] = children
+    computed: dict[str, int] = dict(record.get("computed", {}))
+    for child in children:
+        for name, count in child.get("computed", {}).items():
+            computed[name] = computed.get(name, 0) + count
+    record["computed"] = computed
+    return record
 
 
 # -- the emulated devices ---------------------------------------------------------------------------------------
@@ -215,15 +248,15 @@ def emulated_nvml(count: int, memory_gb: float, capability: Sequence[int]) -> ty
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a patch right after a module is imported (the real module, found by the other finders)."""
+    """Runs patches right after a module is imported (the real module, found by the other finders)."""
 
-    def __init__(self, patches: dict[str, Callable[[types.ModuleType], None]]) -> None:
-        self.patches = patches
+    def __init__(self) -> None:
+        self.patches: dict[str, list[Callable[[types.ModuleType], None]]] = {}
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        patch = self.patches.get(fullname)
-        if patch is None or (path is None and "." in fullname):  # a submodule is looked up in its package's path
+        patches = self.patches.get(fullname)
+        if not patches or (path is None and "." in fullname):  # a submodule is looked up in its package's path
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         exec_module = getattr(spec.loader, "exec_module", None) if spec is not None else None
@@ -233,16 +266,32 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def patched(module: types.ModuleType) -> None:
             exec_module(module)
-            patch(module)
+            for patch in patches:
+                patch(module)
             RECORD["patched"].append(fullname)
 
         spec.loader.exec_module = patched  # type: ignore[method-assign]
         return spec
 
 
+_HOOK = _AfterImport()
+
+
+def after_import(module: str, patch: Callable[[types.ModuleType], None]) -> None:
+    """Run `patch` on `module` once it is imported (now, if it already is): the one way the runtime changes a module
+    from outside the tree."""
+    if module in sys.modules:
+        patch(sys.modules[module])
+        RECORD["patched"].append(module)
+        return
+    if _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
+    _HOOK.patches.setdefault(module, []).append(patch)
+
+
 def emulate(devices: dict[str, Any]) -> None:
     """The recipe's accelerators in this Python (idempotent): the pynvml above, and vLLM's stateless device count."""
-    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    if RECORD["devices"] is not None:
         return
     count = int(devices["count"])
     sys.modules["pynvml"] = emulated_nvml(count, float(devices["memory_gb"]), devices.get("capability", (7, 0)))
@@ -250,14 +299,15 @@ def emulate(devices: dict[str, Any]) -> None:
     def device_count(vllm_utils: types.ModuleType) -> None:
         vllm_utils._cuda_device_count_stateless = lambda *args: count  # type: ignore[attr-defined]
 
-    sys.meta_path.insert(0, _AfterImport({"vllm.utils": device_count}))
+    after_import("vllm.utils", device_count)
     RECORD["devices"] = dict(devices)
     _record_at_exit()
 
 
 SITECUSTOMIZE = '''\
 """Written by toolkit: in every Python the runtime starts (children included), the stand-ins for the GPU libraries
-named in TOOLKIT_GPU_STANDINS and the devices of TOOLKIT_EMULATED_DEVICES (see toolkit_standins)."""
+named in TOOLKIT_GPU_STANDINS, the devices of TOOLKIT_EMULATED_DEVICES (see toolkit_standins) and, with
+TOOLKIT_CPU_DEVICE, the GPU path on CPU tensors (see toolkit_cpu_device)."""
 import json
 import os
 
@@ -266,10 +316,15 @@ if os.environ.get("TOOLKIT_GPU_STANDINS"):
 
     toolkit_standins.install(os.environ["TOOLKIT_GPU_STANDINS"].split(","),
                              os.environ.get("TOOLKIT_GPU_ABSENT", "").split(","))
-if os.environ.get("TOOLKIT_EMULATED_DEVICES"):
+DEVICES = json.loads(os.environ["TOOLKIT_EMULATED_DEVICES"]) if os.environ.get("TOOLKIT_EMULATED_DEVICES") else None
+if DEVICES is not None:
     import toolkit_standins
 
-    toolkit_standins.emulate(json.loads(os.environ["TOOLKIT_EMULATED_DEVICES"]))
+    toolkit_standins.emulate(DEVICES)
+if os.environ.get("TOOLKIT_CPU_DEVICE"):
+    import toolkit_cpu_device
+
+    toolkit_cpu_device.from_environment(os.environ, DEVICES)
 '''
 
 
@@ -280,10 +335,11 @@ def site_dir(cache: Path) -> Path:
 
     source = Path(__file__).read_text(encoding="utf-8")
     references = sorted(REFERENCES.glob("*.py"))
-    folder = cache / f"standins-{build_key(SITECUSTOMIZE, files=[Path(__file__), *references])}"
+    folder = cache / f"standins-{build_key(SITECUSTOMIZE, files=[Path(__file__), CPU_DEVICE, *references])}"
     if not (folder / "sitecustomize.py").is_file():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "toolkit_standins.py").write_text(source, encoding="utf-8")
+        (folder / "toolkit_cpu_device.py").write_text(CPU_DEVICE.read_text(encoding="utf-8"), encoding="utf-8")
         (folder / "toolkit_references").mkdir(exist_ok=True)
         for reference in references:
             (folder / "toolkit_references" / reference.name).write_text(reference.read_text(encoding="utf-8"),
@@ -295,11 +351,14 @@ def site_dir(cache: Path) -> Path:
 
 
 def environment(cache: Path, libraries: Sequence[str], paths: Sequence[Path], absent: Sequence[str] = (),
-                devices: dict[str, Any] | None = None) -> dict[str, str]:
-    """PYTHONPATH (the stand-ins' folder, then `paths`) and the variables that turn the stand-ins (and the device
-    emulation) on: inherited by every child process, whose sitecustomize applies the same."""
+                devices: dict[str, Any] | None = None, cpu_device: bool = False) -> dict[str, str]:
+    """PYTHONPATH (the stand-ins' folder, then `paths`) and the variables that turn the stand-ins (the device
+    emulation, and with `cpu_device` the GPU path on CPU tensors) on: inherited by every child process, whose
+    sitecustomize applies the same."""
     env = {"PYTHONPATH": os.pathsep.join([str(site_dir(cache)), *map(str, paths)]), ENV: ",".join(libraries),
            ABSENT_ENV: ",".join(absent)}
     if devices is not None:
         env[DEVICES_ENV] = json.dumps(devices)
+    if cpu_device:
+        env[CPU_DEVICE_ENV] = "on"
     return env
