@@ -182,6 +182,20 @@ def test_instead_of_replaces_an_included_transform_once(tmp_path: Path) -> None:
     assert "instead_of 'nope': no earlier layer" in str(error(top))
 
 
+def test_instead_of_replaces_a_transform_of_a_layer_included_before_it(tmp_path: Path) -> None:
+    # the flagship's adapter layer takes the place of the image layer's fix, a sibling include merged before it
+    write(tmp_path, "base.yaml", BASE)
+    write(tmp_path, "sibling.yaml", "transforms:\n" + TRANSFORM.format(id="own-two") + "    instead_of: two\n")
+    top = write(tmp_path, "top.yaml", "include: [base.yaml, sibling.yaml]\n")
+    loaded = load_recipe(top)
+    assert [t.id for t in loaded.recipe.transforms] == ["one", "own-two"]
+    assert loaded.transform_origin(1).file == str(tmp_path / "sibling.yaml")
+    top.write_text("include: [sibling.yaml, base.yaml]\n")  # merged after it: nothing to take the place of
+    err = error(top)
+    assert "instead_of 'two': no earlier layer has a transform of that id" in str(err)
+    assert err.file == str(tmp_path / "sibling.yaml") and err.line == line(tmp_path / "sibling.yaml", "instead_of")
+
+
 def test_a_recipe_level_error_points_at_the_recipe(tmp_path: Path) -> None:
     write(tmp_path, "base.yaml", BASE.replace("name: base\n", ""))
     top = write(tmp_path, "top.yaml", "include: base.yaml\nenv: {C: '1'}\n")

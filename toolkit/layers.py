@@ -6,7 +6,8 @@ The merge rules, a later layer over an earlier one (the including file is the la
 - any other value replaces the earlier one whole: scalars, and lists too (vendor.roots, checks.lf_only);
 - `sources` and `packages` merge by `name`: a later item replaces the earlier one of that name, in its place;
 - `transforms` concatenate in include order. An id is unique across every layer, unless the later transform says
-  `instead_of: ID`: it then takes that earlier transform's place (its id may be ID again, or a new one).
+  `instead_of: ID`: it then takes the place of the transform ID of a layer merged before it (one it includes, or
+  one included before it), once (its id may be ID again, or a new one).
 - Relative paths (`patches`, a source's `path` and `digests`) are relative to the file that declares them.
 
 Inside one file, a `transforms` item `{defaults: {...}, transforms: [...]}` is a group: each member takes every
@@ -171,9 +172,14 @@ def _merge_transforms(base: Tree, later: Tree, file: str) -> Tree:
             out.append(item)  # a duplicate id is the loader's to report, with both places
             continue
         mark = item.mark(INSTEAD_OF)
-        if not isinstance(target, str) or target in replaced or target not in earlier:
+        if isinstance(target, str) and target not in replaced and target not in earlier:
+            # perhaps a layer included before this file's includer has it: the includer's merge decides
+            # (`unresolved` refuses what no merge took)
+            out.append(item)
+            continue
+        if not isinstance(target, str) or target in replaced:
             why = (f"already replaced by the transform at {replaced[target]}" if isinstance(target, str)
-                   and target in replaced else "no earlier layer has a transform of that id")
+                   else "not a transform id")
             raise error_at(mark, file, f"instead_of {target!r}: {why}", key=f"transforms.{index}.{INSTEAD_OF}",
                          hint="instead_of names a transform of an included layer (here: "
                          f"{', '.join(earlier) or 'none'})")
@@ -344,4 +350,23 @@ def compose(located: Located, file: str) -> tuple[Located, list[str]]:
     path = Path(file)
     walk = _Walk(path.parent)
     tree = _compose(located, file, path, (), (path.resolve(),), walk)
+    _unresolved(tree, file)
     return tree.located(), walk.files
+
+
+def _unresolved(tree: Tree, file: str) -> None:
+    """An `instead_of` no merge took: its id is in no layer merged before the one that says it."""
+    if not isinstance(tree.data, dict) or not isinstance(tree.data.get("transforms"), list):
+        return
+    transforms = tree.sub("transforms")
+    for index in range(len(transforms.data)):
+        item = transforms.sub(index)
+        target = item.data.get(INSTEAD_OF) if isinstance(item.data, dict) else None
+        if target is not None:
+            mark = item.mark(INSTEAD_OF)
+            shown = mark.file if mark is not None and mark.file else file
+            before = [t.get("id") for t in transforms.data[:index] if isinstance(t, dict)]
+            raise error_at(mark, shown, f"instead_of {target!r}: no earlier layer has a transform of that "
+                         "id", key=f"transforms.{index}.{INSTEAD_OF}",
+                         hint="instead_of names a transform of a layer merged before this one (here: "
+                         f"{', '.join(map(str, before)) or 'none'})")
