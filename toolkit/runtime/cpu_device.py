@@ -1,0 +1,265 @@
+"""The vendor's GPU path on CPU tensors: vLLM's CUDA platform, its GPU executor (and the multiprocessing executor
+at TP > 1), `Worker`, `ModelRunner`, `CacheEngine` and the attention backend the vendor's selector picks run
+unchanged, and every tensor they put on "cuda" is made on the CPU. Each deviation from the device is one named
+shim below (SHIMS: what it changes and why), applied from outside the tree by the sitecustomize the stand-ins
+write, so every Python the runtime starts (a worker, the engine process) runs the same; the applied ones are in the
+stand-ins' record under "shims".
+
+Turned on by TOOLKIT_CPU_DEVICE=on (read here, nowhere else: `from_environment`), with the recipe's
+accelerators emulated (TOOLKIT_EMULATED_DEVICES: the memory the profile run is measured against). Copied beside
+the stand-ins as `toolkit_cpu_device`; it needs torch, which it patches once torch is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+try:
+    import toolkit_standins as standins  # type: ignore[import-not-found]  # beside this file in the runtime
+except ModuleNotFoundError:
+    from toolkit.runtime import standins  # the toolkit's side: the names of the shims, for its report
+
+ENV = "TOOLKIT_CPU_DEVICE"
+
+SHIMS: dict[str, str] = {
+    "cuda-tensors-on-cpu": "a tensor the tree puts on cuda (device=, .to(), .cuda()) is made on the CPU, and "
+                           "pinning it (pin_memory=True, .pin_memory()) is left out: a torch function mode, entered "
+                           "in every thread",
+    "torch-cuda-calls": "torch.cuda's device, stream, event, seed and synchronize calls act on the one CPU "
+                        "(no-ops); the device's name, count, capability and properties are the emulated device's",
+    "emulated-memory": "torch.cuda.mem_get_info and max_memory_allocated read the emulated device's memory, less "
+                       "what this process grew since it started (the profile run's peak is real CPU memory)",
+    "gloo-for-nccl": "torch.distributed's nccl backend is gloo: the TP groups (and the ixformer all-reduce on them) "
+                     "run between the CPU processes",
+}
+
+
+class CpuDeviceError(RuntimeError):
+    """The CPU-device mode was asked for something it cannot be."""
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", encoding="ascii") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_START_RSS = _rss()
+
+
+def _applied(name: str) -> None:
+    if name not in standins.RECORD.setdefault("shims", []):
+        standins.RECORD["shims"].append(name)
+
+
+def _on_cpu_tensors(torch: types.ModuleType) -> None:
+    from torch.overrides import TorchFunctionMode
+
+    def cpu(device: Any) -> Any:
+        if isinstance(device, str) and device.startswith("cuda"):
+            return "cpu"
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return torch.device("cpu")
+        if isinstance(device, int) and not isinstance(device, bool):  # a bare index is a cuda device
+            return "cpu"
+        return device
+
+    tensor = torch.Tensor
+    unchanged = {tensor.cuda, tensor.pin_memory}
+
+    class OnCpu(TorchFunctionMode):
+        def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
+            kwargs = dict(kwargs or {})
+            if func in unchanged:
+                return args[0]
+            if func is tensor.is_pinned:
+                return False
+            if "device" in kwargs:
+                kwargs["device"] = cpu(kwargs["device"])
+            kwargs.pop("pin_memory", None)
+            if func is tensor.to and len(args) > 1:
+                args = (args[0], cpu(args[1]), *args[2:])
+            return func(*args, **kwargs)
+
+    mode = OnCpu()
+    mode.__enter__()  # type: ignore[no-untyped-call]  # this thread, for the life of the process
+    bootstrap = threading.Thread._bootstrap_inner  # type: ignore[attr-defined]
+
+    def in_mode(thread: threading.Thread) -> None:
+        with OnCpu():
+            bootstrap(thread)
+
+    threading.Thread._bootstrap_inner = in_mode  # type: ignore[attr-defined]
+    _applied("cuda-tensors-on-cpu")
+
+
+class _Event:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _Stream(_Event):
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+def _torch_cuda(torch: types.ModuleType, devices: dict[str, Any], without: tuple[str, ...]) -> None:
+    cuda = torch.cuda
+    count = int(devices["count"])
+    major, minor = (int(c) for c in devices.get("capability", (7, 0)))
+    total = int(float(devices["memory_gb"]) * 2**30)
+    properties = types.SimpleNamespace(name="emulated accelerator", total_memory=total, major=major, minor=minor,
+                                       multi_processor_count=16)
+
+    def used() -> int:
+        return max(_rss() - _START_RSS, 0)
+
+    @contextlib.contextmanager
+    def context(*args: Any, **kwargs: Any) -> Iterator[None]:
+        yield
+
+    def nothing() -> Callable[..., None]:
+        # a new function per name: torch's compiler keeps a rule per torch.cuda function and refuses a shared one
+        return lambda *args, **kwargs: None
+
+    calls: dict[str, Any] = {
+        **{name: nothing() for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats",
+                                        "manual_seed", "manual_seed_all", "ipc_collect", "init")},
+        "current_device": lambda: 0, "device_count": lambda: count, "is_initialized": lambda: True,
+        "get_device_name": lambda *a: properties.name, "get_device_capability": lambda *a: (major, minor),
+        "get_device_properties": lambda *a: properties, "can_device_access_peer": lambda *a: False,
+        "is_current_stream_capturing": lambda: False,
+        "Event": _Event, "Stream": _Stream, "current_stream": lambda *a: _Stream(),
+        "default_stream": lambda *a: _Stream(),
+        "stream": context, "device": context,
+    }
+    if "torch-cuda-calls" not in without:
+        for name, value in calls.items():
+            setattr(cuda, name, value)
+        _applied("torch-cuda-calls")
+    if "emulated-memory" in without:
+        return
+    cuda.mem_get_info = lambda *a: (total - used(), total)
+    cuda.max_memory_allocated = lambda *a: used()
+    cuda.memory_allocated = lambda *a: used()
+    _applied("emulated-memory")
+
+
+def _gloo(torch: types.ModuleType) -> None:
+    import torch.distributed as dist
+
+    def gloo(function: Callable[..., Any], position: int) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > position and args[position] == "nccl":
+                args = (*args[:position], "gloo", *args[position + 1:])
+            if kwargs.get("backend") == "nccl":
+                kwargs["backend"] = "gloo"
+            return function(*args, **kwargs)
+
+        return call
+
+    dist.init_process_group = gloo(dist.init_process_group, 0)
+    dist.new_group = gloo(dist.new_group, 2)
+    _applied("gloo-for-nccl")
+
+
+class UnwrittenParameters(RuntimeError):
+    """The model's loader left parameters as they were initialised: the checkpoint did not write them."""
+
+
+def _load_check(loader: types.ModuleType) -> None:
+    """Every parameter is filled with NaN before the loader runs, and none may hold a NaN after it: a checkpoint
+    tensor the model's load_weights skips (a name it does not know is skipped silently) fails the start here,
+    naming the parameters, instead of serving garbage."""
+    import torch
+
+    initialize = loader._initialize_model
+    load_model = loader.DefaultModelLoader.load_model
+
+    def nan_filled(*args: Any, **kwargs: Any) -> Any:
+        model = initialize(*args, **kwargs)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                if parameter.is_floating_point():
+                    parameter.fill_(float("nan"))
+        return model
+
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        model = load_model(self, *args, **kwargs)
+        names = [name for name, p in model.named_parameters() if p.is_floating_point()]
+        unwritten = [name for name, p in model.named_parameters() if p.is_floating_point() and p.isnan().any()]
+        standins.RECORD["load"] = {"parameters": len(names), "unwritten": unwritten}
+        if unwritten:
+            raise UnwrittenParameters(
+                f"{len(unwritten)} of {len(names)} parameters of {type(model).__name__} were not written by its "
+                f"loader (still NaN): {', '.join(unwritten[:8])}{' ...' if len(unwritten) > 8 else ''}; the "
+                "checkpoint's tensor names do not reach them (load_weights skips a name it does not know)")
+        return model
+
+    loader._initialize_model = nan_filled  # type: ignore[attr-defined]
+    loader.DefaultModelLoader.load_model = checked
+    _applied("load-check")
+
+
+CHECKS = {"load-check": "every model parameter is NaN before the loader runs and none is after (the checkpoint "
+                        "wrote each one)"}
+
+
+def install(devices: dict[str, Any] | None, without: tuple[str, ...] = ()) -> None:
+    """Every shim and check, each applied when its module is imported (idempotent); `without` leaves some out (the
+    tests that see each one is needed)."""
+    unknown = set(without) - set(SHIMS) - set(CHECKS)
+    if unknown:
+        raise CpuDeviceError(f"no shim named {', '.join(sorted(unknown))}: the shims are {', '.join(SHIMS)}")
+    if standins.RECORD.get("cpu_device"):
+        return
+    if devices is None:
+        raise CpuDeviceError(f"{ENV}=on needs the emulated devices ({standins.DEVICES_ENV}): the profile run is "
+                             "measured against their memory")
+    standins.RECORD["cpu_device"] = True
+
+    def on_torch(torch: types.ModuleType) -> None:
+        if "cuda-tensors-on-cpu" not in without:
+            _on_cpu_tensors(torch)
+        _torch_cuda(torch, devices, without)
+        if "gloo-for-nccl" not in without:
+            _gloo(torch)
+
+    standins.after_import("torch", on_torch)
+    if "load-check" not in without:
+        standins.after_import("vllm.model_executor.model_loader.loader", _load_check)
+
+
+def from_environment(environ: dict[str, str] | os._Environ[str], devices: dict[str, Any] | None) -> None:
+    """The one reader of TOOLKIT_CPU_DEVICE: unset or empty is off, `on` installs every shim and check, `on
+    without NAME[,NAME]` all but those (to see that each is needed); any other value is refused."""
+    value = environ.get(ENV, "")
+    if not value:
+        return
+    words = value.split(" ", 2)
+    if words[0] != "on" or (len(words) > 1 and (words[1] != "without" or len(words) != 3)):
+        raise CpuDeviceError(f"{ENV}={value!r} is not known: set it to `on` or `on without NAME[,NAME]`, or unset it")
+    install(devices, tuple(words[2].split(",")) if len(words) == 3 else ())
