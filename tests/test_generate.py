@@ -161,7 +161,20 @@ def test_a_parameter_the_checkpoint_does_not_write_fails_the_start(served: dict[
     subprocess.run([str(served["python"]), "-c", drop, str(dropped / "model.safetensors")], check=True)
     result = run(served, "dropped", model=str(dropped))
     assert result["code"] != 0
-    assert "UnwrittenParameters: 1 of" in result["stderr"], result["stderr"][-3000:]
+    assert "UnwrittenParameters: 1 of 31 parameters of Qwen2ForCausalLM" in result["stderr"], result["stderr"][-3000:]
     assert "model.layers.1.mlp.down_proj.weight" in result["stderr"]
     unchecked = run(served, "dropped-unchecked", model=str(dropped), without="load-check")
     assert unchecked["code"] == 0, "without the check the same checkpoint loads and serves, silently"
+
+
+@pytest.mark.parametrize(("value", "devices", "says"), [
+    ("yes", {"count": 1, "memory_gb": 1}, "TOOLKIT_CPU_DEVICE='yes' is not known"),
+    ("on without", {"count": 1, "memory_gb": 1}, "is not known"),
+    ("on without nope", {"count": 1, "memory_gb": 1}, "no shim named nope"),
+    ("on", None, "needs the emulated devices"),
+])
+def test_the_switch_refuses_what_it_does_not_know(value: str, devices: dict[str, Any] | None, says: str) -> None:
+    with pytest.raises(cpu_device.CpuDeviceError, match=says):
+        cpu_device.from_environment({cpu_device.ENV: value}, devices)
+    cpu_device.from_environment({}, None)  # unset: off, nothing installed
+    assert not standins.RECORD.get("cpu_device")
