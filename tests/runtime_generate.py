@@ -7,8 +7,10 @@ argv: one JSON object:
   max_tokens, prompts (lists of token ids);
 - every prompt is sent at once (several requests in one step), then the prompts of `later` (each sharing a prefix
   with an earlier one) when the first are done; greedy, `max_tokens` each, with the chosen token's logprob;
+- the engine's KV cache is sized by the vendor's own profile run against the emulated memory;
 - oracle: then a second engine recomputes every generated token: prefix caching off, unchunked, each prompt plus
-  the tokens generated before it sent alone for one token (blocks: a fixed KV cache size for both engines);
+  the tokens generated before it sent alone for one token (its KV cache `blocks` long: the first engine's is still
+  in this process's peak), and transformers' own forward of the checkpoint gives the same prompts' next tokens;
 - mutant: a CPU reference made wrong on purpose (MUTANTS), replaced in the registry before the engine starts;
 """
 
@@ -58,14 +60,30 @@ def _mutants():
     }
 
 
-def _engine(run, prefix_caching, budget):
+def _engine(run, prefix_caching, budget, blocks=None):
     from vllm import EngineArgs, LLMEngine
 
     args = EngineArgs(model=run["model"], tensor_parallel_size=run["tp"], dtype=run["dtype"], max_model_len=512,
                       enforce_eager=True, block_size=16, enable_prefix_caching=prefix_caching,
                       enable_chunked_prefill=budget < 512, max_num_batched_tokens=budget, max_num_seqs=4,
-                      gpu_memory_utilization=0.9, seed=0, num_gpu_blocks_override=run.get("blocks"))
+                      gpu_memory_utilization=0.9, seed=0, swap_space=0, num_gpu_blocks_override=blocks)
     return LLMEngine.from_engine_args(args)
+
+
+def _transformers(run, prompts):
+    """The same checkpoint through transformers' own forward, float32: each prompt's greedy next token and its
+    logprob, computed by none of the vendor's code and none of the CPU references."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run["model"], torch_dtype=torch.float32).eval()
+    out = {}
+    with torch.no_grad():
+        for name, prompt in prompts.items():
+            logprobs = model(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+            token = int(logprobs.argmax())
+            out[name] = {"tokens": [token], "logprobs": [float(logprobs[token])]}
+    return out
 
 
 def _drain(engine, outputs):
@@ -93,8 +111,10 @@ def main():
         registry, mutants = _mutants()
         name, function = mutants[run["mutant"]]
         registry[name] = function
-    outputs, oracle = {}, {}
-    engine = _engine(run, run["prefix_caching"], run["budget"])
+    outputs, oracle, reference = {}, {}, {}
+    engine = _engine(run, run["prefix_caching"], run["budget"])  # sized by the vendor's profile run
+    cache = {"num_gpu_blocks": engine.cache_config.num_gpu_blocks,
+             "block_bytes": engine.model_executor.driver_worker.get_cache_block_size_bytes()}
     for index, prompt in enumerate(run["prompts"]):
         _send(engine, str(index), prompt, run["max_tokens"])
     _drain(engine, outputs)
@@ -108,14 +128,18 @@ def main():
     if run.get("oracle"):
         # a second engine in this process (the parallel groups are kept): prefix caching off, no chunking, each
         # prompt plus the tokens generated so far sent alone for one token
-        del engine
-        engine = _engine(run, prefix_caching=False, budget=512)
+        del engine  # its KV cache stays in this process's peak: the recompute's cache is given its size
+        engine = _engine(run, prefix_caching=False, budget=512, blocks=run["blocks"])
         prompts = dict(enumerate(run["prompts"])) | {f"later{i}": p for i, p in enumerate(run.get("later", []))}
+        recompute = {}
         for name, prompt in prompts.items():
             for step, _ in enumerate(outputs[str(name)]["tokens"]):
-                _send(engine, f"{name}@{step}", prompt + outputs[str(name)]["tokens"][:step], 1)
+                recompute[f"{name}@{step}"] = prompt + outputs[str(name)]["tokens"][:step]
+                _send(engine, f"{name}@{step}", recompute[f"{name}@{step}"], 1)
                 _drain(engine, oracle)
-    print("RESULT " + json.dumps({"outputs": outputs, "oracle": oracle, "prefix_hit_rate": hit_rate}), flush=True)
+        reference = _transformers(run, recompute)
+    print("RESULT " + json.dumps({"outputs": outputs, "oracle": oracle, "reference": reference,
+                                  "prefix_hit_rate": hit_rate, "cache": cache}), flush=True)
 
 
 if __name__ == "__main__":

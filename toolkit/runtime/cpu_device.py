@@ -5,7 +5,7 @@ shim below (SHIMS: what it changes and why), applied from outside the tree by th
 write, so every Python the runtime starts (a worker, the engine process) runs the same; the applied ones are in the
 stand-ins' record under "shims".
 
-Turned on by TOOLKIT_CPU_DEVICE=on (read here, nowhere else: `from_environment`), with the recipe's
+Turned on by TOOLKIT_CPU_DEVICE=on (its value is parsed by `from_environment` alone), with the recipe's
 accelerators emulated (TOOLKIT_EMULATED_DEVICES: the memory the profile run is measured against). Copied beside
 the stand-ins as `toolkit_cpu_device`; it needs torch, which it patches once torch is imported.
 """
@@ -32,8 +32,9 @@ SHIMS: dict[str, str] = {
                            "in every thread",
     "torch-cuda-calls": "torch.cuda's device, stream, event, seed and synchronize calls act on the one CPU "
                         "(no-ops); the device's name, count, capability and properties are the emulated device's",
-    "emulated-memory": "torch.cuda.mem_get_info and max_memory_allocated read the emulated device's memory, less "
-                       "what this process grew since it started (the profile run's peak is real CPU memory)",
+    "emulated-memory": "torch.cuda.mem_get_info reads the emulated device's memory less this process's growth: its "
+                       "peak resident memory since the last empty_cache (as a caching allocator's reserved memory "
+                       "is), so the vendor's profile run measures its real CPU peak",
     "gloo-for-nccl": "torch.distributed's nccl backend is gloo: the TP groups (and the ixformer all-reduce on them) "
                      "run between the CPU processes",
 }
@@ -43,12 +44,21 @@ class CpuDeviceError(RuntimeError):
     """The CPU-device mode was asked for something it cannot be."""
 
 
-def _rss() -> int:
-    with open("/proc/self/statm", encoding="ascii") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _peak_rss() -> int:
+    """This process's peak resident memory so far (VmHWM): what a device's allocator peak is to its profile run."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        line = next(line for line in handle if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
-_START_RSS = _rss()
+def _reset_peak() -> None:
+    """The peak back to the current resident memory, as torch.cuda.empty_cache gives the caching allocator's
+    reserved memory back: what a device then reports used is the peak since."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")
+
+
+_START_RSS = _peak_rss()
 
 
 def _applied(name: str) -> None:
@@ -69,21 +79,25 @@ def _on_cpu_tensors(torch: types.ModuleType) -> None:
         return device
 
     tensor = torch.Tensor
-    unchanged = {tensor.cuda, tensor.pin_memory}
+    copies = {tensor.cuda, tensor.pin_memory}  # a copy on the device: a new tensor, as there
 
     class OnCpu(TorchFunctionMode):
         def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:
             kwargs = dict(kwargs or {})
-            if func in unchanged:
-                return args[0]
+            if func in copies:
+                return args[0].clone()
             if func is tensor.is_pinned:
                 return False
-            if "device" in kwargs:
-                kwargs["device"] = cpu(kwargs["device"])
             kwargs.pop("pin_memory", None)
-            if func is tensor.to and len(args) > 1:
-                args = (args[0], cpu(args[1]), *args[2:])
+            moved = False
+            if "device" in kwargs:
+                moved = cpu(kwargs["device"]) is not kwargs["device"]
+                kwargs["device"] = cpu(kwargs["device"])
+            if func is tensor.to and len(args) > 1 and cpu(args[1]) is not args[1]:
+                args, moved = (args[0], cpu(args[1]), *args[2:]), True
+            if func is tensor.to and moved:
+                kwargs["copy"] = True  # .to(cuda) of a CPU tensor is a new tensor on the device, never the same one
             return func(*args, **kwargs)
 
     mode = OnCpu()
@@ -135,7 +149,7 @@ def _torch_cuda(torch: types.ModuleType, devices: dict[str, Any], without: tuple
                                        multi_processor_count=16)
 
     def used() -> int:
-        return max(_rss() - _START_RSS, 0)
+        return max(_peak_rss() - _START_RSS, 0)
 
     @contextlib.contextmanager
     def context(*args: Any, **kwargs: Any) -> Iterator[None]:
@@ -146,8 +160,8 @@ def _torch_cuda(torch: types.ModuleType, devices: dict[str, Any], without: tuple
         return lambda *args, **kwargs: None
 
     calls: dict[str, Any] = {
-        **{name: nothing() for name in ("set_device", "synchronize", "empty_cache", "reset_peak_memory_stats",
-                                        "manual_seed", "manual_seed_all", "ipc_collect", "init")},
+        **{name: nothing() for name in ("set_device", "synchronize", "manual_seed", "manual_seed_all", "ipc_collect",
+                                        "init")},
         "current_device": lambda: 0, "device_count": lambda: count, "is_initialized": lambda: True,
         "get_device_name": lambda *a: properties.name, "get_device_capability": lambda *a: (major, minor),
         "get_device_properties": lambda *a: properties, "can_device_access_peer": lambda *a: False,
@@ -162,6 +176,8 @@ def _torch_cuda(torch: types.ModuleType, devices: dict[str, Any], without: tuple
         _applied("torch-cuda-calls")
     if "emulated-memory" in without:
         return
+    cuda.empty_cache = lambda: _reset_peak()
+    cuda.reset_peak_memory_stats = lambda *a: _reset_peak()
     cuda.mem_get_info = lambda *a: (total - used(), total)
     cuda.max_memory_allocated = lambda *a: used()
     cuda.memory_allocated = lambda *a: used()
@@ -233,7 +249,8 @@ def install(devices: dict[str, Any] | None, without: tuple[str, ...] = ()) -> No
     tests that see each one is needed)."""
     unknown = set(without) - set(SHIMS) - set(CHECKS)
     if unknown:
-        raise CpuDeviceError(f"no shim named {', '.join(sorted(unknown))}: the shims are {', '.join(SHIMS)}")
+        raise CpuDeviceError(f"no shim named {', '.join(sorted(unknown))}: the shims and checks are "
+                             f"{', '.join([*SHIMS, *CHECKS])}")
     if standins.RECORD.get("cpu_device"):
         return
     if devices is None:

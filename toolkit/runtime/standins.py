@@ -184,26 +184,33 @@ def _record_at_exit() -> None:
     if not record_file or getattr(_record_at_exit, "registered", False):
         return
     _record_at_exit.registered = True  # type: ignore[attr-defined]
-    first = os.environ.setdefault(RECORD_PID_ENV, str(os.getpid())) == str(os.getpid())
-    target = Path(record_file if first else f"{record_file}.{os.getpid()}")
+    os.environ.setdefault(RECORD_PID_ENV, str(os.getpid()))
 
     def write() -> None:
-        partial = target.with_name(target.name + ".partial")
-        partial.write_text(json.dumps(dict(RECORD, pid=os.getpid())))
+        pid = os.getpid()  # at exit, not at registration: a forked child is another process
+        first = os.environ.get(RECORD_PID_ENV) == str(pid)
+        target = Path(record_file if first else f"{record_file}.{pid}")
+        partial = target.with_name(f"{target.name}.partial")
+        partial.write_text(json.dumps(dict(RECORD, pid=pid)))
         partial.replace(target)
+
+    def terminated(signum: int, frame: types.FrameType | None) -> None:
+        # a worker is stopped with SIGTERM (a daemon process at its parent's exit), perhaps inside a blocking C
+        # call: record, then end as the signal would have, without waiting on anything
+        write()
+        os._exit(128 + signum)
 
     atexit.register(write)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        # a worker is stopped with SIGTERM (a daemon process at its parent's exit): exit through atexit, recorded
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, terminated)
 
 
 def read_record(record_file: Path) -> dict[str, Any]:
     """The record of the first Python, with every process it started under "processes" and the references that
     ran counted over all of them in "computed"."""
     record: dict[str, Any] = json.loads(record_file.read_text())
-    children = [json.loads(p.read_text()) for p in sorted(record_file.parent.glob(record_file.name + ".*"))
-                if p.suffix != ".partial"]
+    children = [json.loads(p.read_text()) for p in sorted(record_file.parent.iterdir())
+                if p.name.startswith(record_file.name + ".") and p.name.rpartition(".")[2].isdigit()]
     record["processes"] = children
     computed: dict[str, int] = dict(record.get("computed", {}))
     for child in children:
@@ -324,7 +331,14 @@ if DEVICES is not None:
 if os.environ.get("TOOLKIT_CPU_DEVICE"):
     import toolkit_cpu_device
 
-    toolkit_cpu_device.from_environment(os.environ, DEVICES)
+    try:
+        toolkit_cpu_device.from_environment(os.environ, DEVICES)
+    except toolkit_cpu_device.CpuDeviceError as exc:
+        # refused, not ignored: Python prints a sitecustomize's exception and carries on without the shims
+        import sys
+
+        print(f"toolkit: {exc}", file=sys.stderr)
+        os._exit(2)
 '''
 
 
