@@ -13,16 +13,23 @@ the stand-ins as `toolkit_cpu_device`; it needs torch, which it patches once tor
 from __future__ import annotations
 
 import contextlib
-import os
+import importlib
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-try:
-    import toolkit_standins as standins  # type: ignore[import-not-found]  # beside this file in the runtime
-except ModuleNotFoundError:
-    from toolkit.runtime import standins  # the toolkit's side: the names of the shims, for its report
+
+def _standins() -> types.ModuleType:
+    try:
+        return importlib.import_module("toolkit_standins")  # beside this file in the runtime
+    except ModuleNotFoundError:
+        from toolkit.runtime import standins  # the toolkit's side: the names of the shims, for its report
+
+        return standins
+
+
+standins = _standins()
 
 ENV = "TOOLKIT_CPU_DEVICE"
 
@@ -206,14 +213,14 @@ class UnwrittenParameters(RuntimeError):
     """The model's loader left parameters as they were initialised: the checkpoint did not write them."""
 
 
-def _load_check(loader: types.ModuleType) -> None:
+def _load_check(vllm_loader: types.ModuleType) -> None:
     """Every parameter is filled with NaN before the loader runs, and none may hold a NaN after it: a checkpoint
     tensor the model's load_weights skips (a name it does not know is skipped silently) fails the start here,
     naming the parameters, instead of serving garbage."""
     import torch
 
-    initialize = loader._initialize_model
-    load_model = loader.DefaultModelLoader.load_model
+    initialize = vllm_loader._initialize_model
+    load_model = vllm_loader.DefaultModelLoader.load_model
 
     def nan_filled(*args: Any, **kwargs: Any) -> Any:
         model = initialize(*args, **kwargs)
@@ -235,8 +242,8 @@ def _load_check(loader: types.ModuleType) -> None:
                 "checkpoint's tensor names do not reach them (load_weights skips a name it does not know)")
         return model
 
-    loader._initialize_model = nan_filled  # type: ignore[attr-defined]
-    loader.DefaultModelLoader.load_model = checked
+    vllm_loader._initialize_model = nan_filled  # type: ignore[attr-defined]
+    vllm_loader.DefaultModelLoader.load_model = checked
     _applied("load-check")
 
 
@@ -270,7 +277,7 @@ def install(devices: dict[str, Any] | None, without: tuple[str, ...] = ()) -> No
         standins.after_import("vllm.model_executor.model_loader.loader", _load_check)
 
 
-def from_environment(environ: dict[str, str] | os._Environ[str], devices: dict[str, Any] | None) -> None:
+def from_environment(environ: Mapping[str, str], devices: dict[str, Any] | None) -> None:
     """The one reader of TOOLKIT_CPU_DEVICE: unset or empty is off, `on` installs every shim and check, `on
     without NAME[,NAME]` all but those (to see that each is needed); any other value is refused."""
     value = environ.get(ENV, "")
