@@ -232,8 +232,9 @@ def _load_check(vllm_loader: types.ModuleType) -> None:
 
     def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
         model = load_model(self, *args, **kwargs)
-        names = [name for name, p in model.named_parameters() if p.is_floating_point()]
-        unwritten = [name for name, p in model.named_parameters() if p.is_floating_point() and p.isnan().any()]
+        floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+        names = [name for name, _ in floating]
+        unwritten = [name for name, p in floating if p.isnan().any()]
         standins.RECORD["load"] = {"parameters": len(names), "unwritten": unwritten}
         if unwritten:
             raise UnwrittenParameters(
