@@ -10,7 +10,8 @@ argv: one JSON object:
 - the engine's KV cache is sized by the vendor's own profile run against the emulated memory;
 - oracle: then a second engine recomputes every generated token: prefix caching off, unchunked, each prompt plus
   the tokens generated before it sent alone for one token (its KV cache `blocks` long: the first engine's is still
-  in this process's peak), and transformers' own forward of the checkpoint gives the same prompts' next tokens;
+  in this process's peak), and (unless `reference` is false: the image's transformers has no class for the
+  model) transformers' own forward of the checkpoint gives the same prompts' next tokens;
 - mutant: a CPU reference made wrong on purpose (MUTANTS), replaced in the registry before the engine starts;
 """
 
@@ -137,7 +138,8 @@ def main():
                 recompute[f"{name}@{step}"] = prompt + outputs[str(name)]["tokens"][:step]
                 _send(engine, f"{name}@{step}", recompute[f"{name}@{step}"], 1)
                 _drain(engine, oracle)
-        reference = _transformers(run, recompute)
+        if run.get("reference", True):  # a model transformers has a class for
+            reference = _transformers(run, recompute)
     print("RESULT " + json.dumps({"outputs": outputs, "oracle": oracle, "reference": reference,
                                   "prefix_hit_rate": hit_rate, "cache": cache}), flush=True)
 

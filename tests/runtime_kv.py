@@ -14,7 +14,7 @@ import torch
 REAL = {"hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
         "head_dim": 256, "torch_dtype": "bfloat16"}
 SMALL = {"hidden_size": 32, "num_hidden_layers": 40, "num_attention_heads": 2, "num_key_value_heads": 1,
-         "head_dim": 32, "vocab_size": 64, "torch_dtype": "float32"}
+         "head_dim": 64, "vocab_size": 64, **runtime_shims.SMALL_HYBRID, "torch_dtype": "float32"}
 BLOCK = 16
 
 
@@ -101,15 +101,14 @@ def main():
         cache.num_gpu_blocks, cache.num_cpu_blocks = 8, 0
         engine = cache_engine.CacheEngine(cache, model_config, parallel, DeviceConfig("cpu"))
         entry["allocated_caches"] = len(engine.gpu_cache)
-        torch.manual_seed(0)
-        model = qwen3_5.Qwen3_5MoeForCausalLM(model_config.hf_config, cache)
+        model = runtime_shims.seeded(qwen3_5.Qwen3_5MoeForCausalLM(model_config.hf_config, cache))
         tokens, logits = generate(model, engine.gpu_cache)
         runs[mode] = (tokens, logits)
         entry["tokens"] = tokens
         entry["smallest_logit_spread"] = float((logits.max(-1).values - logits.min(-1).values).min())
         if mode == "full_attention":
             # the mutant indexes the KV caches by layer number, as a model written for 40 caches would
-            for number, layer in enumerate(model.layers):
+            for number, layer in enumerate(model.model.layers):
                 if hasattr(layer, "self_attn"):
                     layer.self_attn.attn_idx = number
             try:

@@ -21,7 +21,8 @@ import torch
 
 BLOCK = 16
 CONFIG = {"hidden_size": 32, "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
-          "head_dim": 32, "vocab_size": 64, "torch_dtype": "float32", "full_attention_interval": 4,
+          "head_dim": 64, "vocab_size": 64, **runtime_shims.SMALL_HYBRID, "torch_dtype": "float32",
+          "full_attention_interval": 4,
           "max_position_embeddings": 4096}
 
 
@@ -53,9 +54,8 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, cache, None)
         self.runner = ModelRunner(model_config, parallel, scheduler_config, DeviceConfig("cpu"), cache,
                                   LoadConfig(), None, is_driver_worker=True)
-        torch.manual_seed(0)
-        self.runner.model = qwen3_5.Qwen3_5MoeForCausalLM(model_config.hf_config, cache,
-                                                          scheduler_config=scheduler_config).eval()
+        self.runner.model = runtime_shims.seeded(qwen3_5.Qwen3_5MoeForCausalLM(
+            model_config.hf_config, cache, scheduler_config=scheduler_config).eval())
         self.kv_caches = CacheEngine(cache, model_config, parallel, DeviceConfig("cpu")).gpu_cache
         try:
             from native_fastpaths import prefix_state

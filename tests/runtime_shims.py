@@ -38,3 +38,20 @@ def distributed():
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                  distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
     initialize_model_parallel(1, 1)
+
+
+# the stand-in adapter's linear-attention and MoE shapes for the harnesses' small hybrid configs: key and value
+# head dims differ (a transposed state cannot pass), two value heads per key head, experts with top-2 routing
+SMALL_HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                "linear_value_head_dim": 12, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                "shared_expert_intermediate_size": 16}
+
+
+def seeded(model, seed=0, std=0.15):
+    """Seeded random values in every parameter of a model built without a checkpoint (vLLM's layers allocate
+    theirs uninitialised)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+    return model

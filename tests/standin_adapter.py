@@ -6,9 +6,14 @@ same function and class names and signatures the recipe edits and dispatches int
 Where the recipe probes calls ADAPTER.md does not list (the full-attention class's projections, norms, rope and
 attention; the shared expert; the decoder layer's norms), the stand-in has the call structure the adapter's public
 history shows in versions before and after the pin. Its qwen3_5.py is written in the adapter's plain style
-(per-expert loop, token-by-token recurrence) and imports only torch. Its nine whole-file replacements are derived
-from the public vLLM 0.6.3 files (the vendor's true base: six of the nine real ones are byte-identical to them) with
-the few changes listed in REPLACEMENTS; like the real adapter, some files are stored with CRLF line endings.
+(per-expert loop, per-sequence rule) and imports only torch at module level; its model classes are built from
+vLLM's layers (parallel linears, the vocabulary embedding and LM head, get_rope, Attention over the paged cache),
+so the vendor's ops, attention backend and TP all-reduce run under it, and its load_weights takes the published
+checkpoint's names by the pinned loader's rules (ADAPTER.md 4b), a name it does not know skipped silently as
+there. Its nine whole-file replacements are derived from the public vLLM 0.6.3 files (the vendor's true base: six
+of the nine real ones are byte-identical to them) with the few changes listed in REPLACEMENTS; paged_attn.py also
+carries the image's own edit of its decode call (the adapter's file was made from the image's, and ixformer's op
+takes the shorter argument list); like the real adapter, some files are stored with CRLF line endings.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import re
 from pathlib import Path
 
 import git
+
+from toolkit.corexlike import VENDOR_EDITS
 
 SOURCE = '''\
 """Stand-in for the model adapter's qwen3_5.py (test fixture)."""
@@ -77,22 +84,69 @@ class Qwen3_5RMSNormGated(torch.nn.Module):
         return (self.weight.float() * x * F.silu(gate.float())).to(dtype)
 
 
+def _tp():
+    """This rank and the tensor-parallel size; (0, 1) where vLLM's groups are not set up (the module alone)."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:
+        return 0, 1
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _sharded(param, dim, pieces=1):
+    """Give param a weight_loader taking this rank's slice of a checkpoint tensor along dim (dim None: all of it);
+    with pieces > 1 the parameter stacks that many checkpoint tensors along dim and shard says which one."""
+
+    def load(param, loaded, shard=0):
+        rank, size = _tp()
+        target = param.data
+        if dim is not None:
+            loaded = loaded.narrow(dim, rank * loaded.shape[dim] // size, loaded.shape[dim] // size)
+            part = target.shape[dim] // pieces
+            target = target.narrow(dim, shard * part, part)
+        target.copy_(loaded)
+
+    param.weight_loader = load
+    return param
+
+
 class _Experts(torch.nn.Module):
+    """The routed experts' storage (the adapter keeps vLLM's FusedMoE for storage and loading only): w13 (experts,
+    2 * intermediate / TP, hidden), gate rows then up rows; w2 (experts, hidden, intermediate / TP)."""
+
     def __init__(self, num_experts, hidden, inter):
         super().__init__()
-        self.w13_weight = torch.nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) / 4)
-        self.w2_weight = torch.nn.Parameter(torch.randn(num_experts, hidden, inter) / 4)
+        local = inter // _tp()[1]
+        self.w13_weight = torch.nn.Parameter(torch.randn(num_experts, 2 * local, hidden) / 4)
+        self.w2_weight = torch.nn.Parameter(torch.randn(num_experts, hidden, local) / 4)
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id, expert_id):
+        rank, size = _tp()
+        if shard_id == "w2":  # (hidden, intermediate): this rank's columns
+            part = loaded.shape[1] // size
+            param.data[expert_id].copy_(loaded.narrow(1, rank * part, part))
+            return
+        part = loaded.shape[0] // size
+        half = param.shape[1] // 2
+        param.data[expert_id, (shard_id == "w3") * half:][:half].copy_(loaded.narrow(0, rank * part, part))
 
 
 class Qwen3_5MoeSparseBlock(torch.nn.Module):
-    def __init__(self, num_experts=8, top_k=2, hidden=16, inter=6):
+    def __init__(self, num_experts=8, top_k=2, hidden=16, inter=6, shared_inter=None):
         super().__init__()
+        shared_inter = shared_inter or inter
+        local = shared_inter // _tp()[1]
         self.num_experts = num_experts
         self.top_k = top_k
         self.experts = _Experts(num_experts, hidden, inter)
         self.gate = torch.nn.Linear(hidden, num_experts, bias=False)
-        self.shared_expert_gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
-        self.shared_expert_down = torch.nn.Linear(inter, hidden, bias=False)
+        self.shared_expert_gate_up = torch.nn.Linear(hidden, 2 * local, bias=False)
+        _sharded(self.shared_expert_gate_up.weight, 0, pieces=2)
+        self.shared_expert_down = torch.nn.Linear(local, hidden, bias=False)
+        _sharded(self.shared_expert_down.weight, 1)
         self.shared_expert_gate = torch.nn.Linear(hidden, 1, bias=False)
 
     def forward(self, hidden_states):
@@ -126,133 +180,146 @@ class Qwen3_5MoeSparseBlock(torch.nn.Module):
 
 MODEL_CLASSES = '''
 
-def _rms(x):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+def _rms(x, weight, eps=1e-6):
+    """Zero-centred RMSNorm (Qwen3.5's): in fp32, times (1 + weight), cast back."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
 
 
 class _Norm(torch.nn.Module):
-    """RMSNorm without weights; forward_cuda as the adapter calls its q/k norms (GemmaRMSNorm in vLLM)."""
+    """The zero-centred RMSNorm, fused with the residual when given one; forward_cuda as the adapter calls its
+    per-head q/k norms."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(size))
 
     def forward(self, x, residual=None):
-        return _rms(x) if residual is None else (_rms(x + residual), x + residual)
+        if residual is None:
+            return _rms(x, self.weight)
+        x = x + residual
+        return _rms(x, self.weight), x
 
     def forward_cuda(self, x):
-        return _rms(x)
-
-
-class _Rotary(torch.nn.Module):
-    """Rotary position embedding on the first half of each head, by absolute position (as vLLM's get_rope)."""
-
-    def __init__(self, head_dim, base=10000.0):
-        super().__init__()
-        self.head_dim = head_dim
-        self.inv_freq = 1.0 / base ** (torch.arange(0, head_dim // 2, 2).float() / (head_dim // 2))
-
-    def _rotate(self, x, positions):
-        tokens = x.shape[0]
-        x = x.view(tokens, -1, self.head_dim)
-        rot = self.head_dim // 2
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2, rest = x[..., :rot // 2], x[..., rot // 2:rot], x[..., rot:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).reshape(tokens, -1)
-
-    def forward(self, positions, q, k):
-        return self._rotate(q, positions), self._rotate(k, positions)
-
-
-class _PagedAttention(torch.nn.Module):
-    """Causal attention over vLLM's paged KV cache, in its layout (key [blocks, kv_heads, head_dim/x, block, x],
-    value [blocks, kv_heads, head_dim, block]), called as vLLM's Attention layer is: (q, k, v, kv_cache,
-    attn_metadata)."""
-
-    def __init__(self, heads, kv_heads, head_dim, block_size):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.block_size = heads, kv_heads, head_dim, block_size
-
-    def forward(self, q, k, v, kv_cache, attn_metadata):
-        tokens, kvh, dim, block_size = q.shape[0], self.kv_heads, self.head_dim, self.block_size
-        q = q.view(tokens, self.heads, dim)
-        k, v = k.view(tokens, kvh, dim), v.view(tokens, kvh, dim)
-        blocks, pack = kv_cache.shape[1], 16 // kv_cache.element_size()
-        key_cache = kv_cache[0].view(blocks, kvh, dim // pack, block_size, pack)
-        value_cache = kv_cache[1].view(blocks, kvh, dim, block_size)
-        slots = attn_metadata.slot_mapping.long()
-        key_cache[slots // block_size, :, :, slots % block_size, :] = k.view(tokens, kvh, dim // pack, pack)
-        value_cache[slots // block_size, :, :, slots % block_size] = v
-        out, start = [], 0
-        groups = self.heads // kvh
-        for seq, seq_len in enumerate(attn_metadata.seq_lens):
-            query_len = int(attn_metadata.query_start_loc[seq + 1] - attn_metadata.query_start_loc[seq])
-            # as vLLM's paged prefix attention: the context from the cache (the block table may hold only the
-            # cached blocks, on a prefix hit), the step's own tokens from this call's keys and values
-            positions = torch.arange(seq_len - query_len)
-            table = attn_metadata.block_tables[seq].long()
-            phys, offset = table[positions // block_size], positions % block_size
-            keys = torch.cat([key_cache[phys, :, :, offset, :].reshape(-1, kvh, dim), k[start:start + query_len]])
-            values = torch.cat([value_cache[phys, :, :, offset].reshape(-1, kvh, dim), v[start:start + query_len]])
-            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-            query = q[start:start + query_len]
-            scores = torch.einsum("qhd,khd->hqk", query, keys) * dim ** -0.5
-            mask = torch.ones(query_len, seq_len, dtype=torch.bool).triu(seq_len - query_len + 1)
-            weights = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-            out.append(torch.einsum("hqk,khd->qhd", weights, values).reshape(query_len, -1))
-            start += query_len
-        return torch.cat(out)
+        return _rms(x, self.weight)
 
 
 class Qwen3_5FullAttention(torch.nn.Module):
-    """The full-attention layer with the adapter family's call structure: q/k/v projections, per-head q/k norms
-    (forward_cuda), rotary embedding by position, vLLM-style attention over the paged cache, output projection;
-    its cache is the one of the full-attention layer numbered attn_idx."""
+    """The full-attention layer with the adapter family's call structure: q (with its per-head output gate), k and v
+    projections, per-head q/k norms (forward_cuda), partial rotary embedding (vLLM's get_rope, the first quarter of
+    each head), vLLM's Attention layer over the paged KV cache (the backend the vendor's selector picks), the
+    output gated by sigmoid, the output projection (a TP all-reduce). Heads are split over the TP ranks; its cache
+    is the one of the full-attention layer numbered attn_idx."""
 
-    def __init__(self, hidden, heads, kv_heads, head_dim, attn_idx, block_size):
+    def __init__(self, text, attn_idx, cache_config=None):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.attn_idx = heads, kv_heads, head_dim, attn_idx
-        self.q_proj = torch.nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = torch.nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=False)
-        self.q_norm, self.k_norm = _Norm(), _Norm()
-        self.rotary_emb = _Rotary(head_dim)
-        self.attn = _PagedAttention(heads, kv_heads, head_dim, block_size)
+        from vllm.attention import Attention
+        from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        size = _tp()[1]
+        hidden, head_dim = text.hidden_size, text.head_dim
+        self.heads, self.kv_heads = text.num_attention_heads // size, max(1, text.num_key_value_heads // size)
+        self.head_dim, self.attn_idx = head_dim, attn_idx
+        self.q_proj = ColumnParallelLinear(hidden, text.num_attention_heads * head_dim * 2, bias=False)
+        self.k_proj = ColumnParallelLinear(hidden, text.num_key_value_heads * head_dim, bias=False)
+        self.v_proj = ColumnParallelLinear(hidden, text.num_key_value_heads * head_dim, bias=False)
+        self.o_proj = RowParallelLinear(text.num_attention_heads * head_dim, hidden, bias=False)
+        self.q_norm, self.k_norm = _Norm(head_dim), _Norm(head_dim)
+        rotary_dim = int(head_dim * getattr(text, "partial_rotary_factor", 0.25))
+        self.rotary_emb = get_rope(head_dim, rotary_dim=rotary_dim, max_position=text.max_position_embeddings,
+                                   base=getattr(text, "rope_theta", 10000000.0), is_neox_style=True)
+        self.attn = Attention(self.heads, head_dim, head_dim ** -0.5, num_kv_heads=self.kv_heads,
+                              cache_config=cache_config)
 
     def forward(self, positions, hidden_states, kv_cache, attn_metadata):
         tokens = hidden_states.shape[0]
-        q = self.q_proj(hidden_states)
-        k = self.k_proj(hidden_states)
-        v = self.v_proj(hidden_states)
-        q = self.q_norm.forward_cuda(q.view(tokens, self.heads, self.head_dim)).view(tokens, -1)
-        k = self.k_norm.forward_cuda(k.view(tokens, self.kv_heads, self.head_dim)).view(tokens, -1)
+        q, _ = self.q_proj(hidden_states)
+        k, _ = self.k_proj(hidden_states)
+        v, _ = self.v_proj(hidden_states)
+        q, gate = q.view(tokens, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm.forward_cuda(q).reshape(tokens, -1)
+        k = self.k_norm.forward_cuda(k.view(tokens, self.kv_heads, self.head_dim)).reshape(tokens, -1)
         q, k = self.rotary_emb(positions, q, k)
         attn_out = self.attn(q, k, v, kv_cache, attn_metadata)
-        return self.o_proj(attn_out)
+        attn_out = attn_out * torch.sigmoid(gate.reshape(tokens, -1))
+        out, _ = self.o_proj(attn_out)
+        return out
 
 
 class GatedDeltaNet(torch.nn.Module):
-    """The linear-attention layer, with the adapter's forward signature: a causal conv (kernel 4; its state is the
-    last 3 inputs) then a gated recurrence whose state (decay near 1: it remembers far back, as GatedDeltaNet
-    does) lives in the mamba cache slot of each sequence, never in the KV cache. Prefill and decode rows alike
-    continue from the slot's state (a prefix hit's tokens are not fed again)."""
+    """The linear-attention layer as Qwen3-Next/3.5 computes it (../shared/DESIGN.md section 5), with the adapter's
+    forward signature. The q, k, v, z projection and the b, a projection are grouped per key head, so a contiguous
+    TP shard holds whole key heads with their value heads; a causal depthwise conv (kernel 4, SiLU) runs over q, k
+    and v, its state the last 3 inputs; then the gated delta rule, a prefill row through
+    _torch_chunk_gated_delta_rule from its slot's state (once per sequence, as the adapter), a decode row inline;
+    the gated norm per value head; the output projection (a TP all-reduce). Both states live in the sequence's
+    mamba cache slot, never in the KV cache: every row continues from its slot (a prefix hit's tokens are not fed
+    again)."""
 
-    def __init__(self, hidden, kernel=4):
+    def __init__(self, text, kernel=4):
         super().__init__()
-        self.in_proj = torch.nn.Linear(hidden, hidden, bias=False)
-        self.out_proj = torch.nn.Linear(hidden, hidden, bias=False)
-        self.conv_weight = torch.nn.Parameter(torch.randn(kernel, hidden) / kernel)
-        self.decay = torch.nn.Parameter(torch.rand(hidden) * 0.04 + 0.95)
-        self.norm = Qwen3_5RMSNormGated(hidden)
+        from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+        size = _tp()[1]
+        key_heads, value_heads = text.linear_num_key_heads, text.linear_num_value_heads
+        self.dk, self.dv, self.ratio = text.linear_key_head_dim, text.linear_value_head_dim, value_heads // key_heads
+        self.hk, self.hv, self.kernel = key_heads // size, value_heads // size, kernel
+        group = 2 * self.dk + 2 * self.ratio * self.dv
+        self.in_proj_qkvz = ColumnParallelLinear(text.hidden_size, key_heads * group, bias=False)
+        self.in_proj_ba = ColumnParallelLinear(text.hidden_size, key_heads * 2 * self.ratio, bias=False)
+        self.conv_dim = self.hk * (2 * self.dk + self.ratio * self.dv)
+        self.conv1d_weight = _sharded(torch.nn.Parameter(torch.randn(self.conv_dim, 1, kernel) / kernel), 0)
+        self.A_log = _sharded(torch.nn.Parameter(torch.zeros(self.hv)), 0)
+        self.dt_bias = _sharded(torch.nn.Parameter(torch.ones(self.hv)), 0)
+        self.norm = Qwen3_5RMSNormGated(self.dv)
+        self.out_proj = RowParallelLinear(value_heads * self.dv, text.hidden_size, bias=False)
+
+    def state_shapes(self):
+        """The mamba cache's per-slot conv and recurrent state shapes on this rank."""
+        return (self.kernel - 1, self.conv_dim), (self.hv, self.dk, self.dv)
 
     def forward(self, hidden_states, attn_metadata, conv_state, temporal_state):
-        u, out = self.in_proj(hidden_states), []
-        for seq in range(len(attn_metadata.seq_lens)):
-            for t in range(int(attn_metadata.query_start_loc[seq]), int(attn_metadata.query_start_loc[seq + 1])):
-                window = torch.cat([conv_state[seq], u[t:t + 1]])
-                conv_state[seq] = window[1:]
-                temporal_state[seq] = self.decay * temporal_state[seq] + (window * self.conv_weight).sum(0)
-                out.append(temporal_state[seq].clone())
-        # the gated norm on the recurrence's output, as the adapter calls it (self.norm(core_out, z))
-        return self.out_proj(self.norm(torch.stack(out), hidden_states))
+        tokens = hidden_states.shape[0]
+        qkvz, _ = self.in_proj_qkvz(hidden_states)
+        ba, _ = self.in_proj_ba(hidden_states)
+        qkvz = qkvz.view(tokens, self.hk, -1)
+        split = 2 * self.dk + self.ratio * self.dv
+        qkv, z = qkvz[..., :split].reshape(tokens, -1), qkvz[..., split:].reshape(tokens, self.hv, self.dv)
+        ba = ba.view(tokens, self.hk, 2 * self.ratio)
+        b, a = ba[..., :self.ratio].reshape(tokens, self.hv), ba[..., self.ratio:].reshape(tokens, self.hv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = torch.sigmoid(b.float())
+        weight = self.conv1d_weight[:, 0]
+        core = []
+        starts = [int(x) for x in attn_metadata.query_start_loc]
+        for seq in range(len(starts) - 1):
+            rows = slice(starts[seq], starts[seq + 1])
+            window = torch.cat([conv_state[seq].to(qkv.dtype), qkv[rows]])
+            conv_state[seq] = window[-(self.kernel - 1):]
+            mixed = F.silu((window.unfold(0, self.kernel, 1) * weight).sum(-1)).view(-1, self.hk, split)
+            q, k = mixed[..., :self.dk], mixed[..., self.dk:2 * self.dk]
+            v = mixed[..., 2 * self.dk:].reshape(-1, self.hv, self.dv)
+            q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
+            if seq < attn_metadata.num_prefills:
+                out, state = _torch_chunk_gated_delta_rule(
+                    q[None], k[None], v[None], g[rows][None], beta[rows][None],
+                    initial_state=temporal_state[seq:seq + 1].clone(), output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+                temporal_state[seq].copy_(state[0])
+                core.append(out[0].float())
+            else:  # decode, inline as the adapter's
+                qd, kd = _l2norm(q[0].float()) * self.dk ** -0.5, _l2norm(k[0].float())
+                state = temporal_state[seq]
+                state.mul_(g[rows][0].exp()[:, None, None])
+                u = beta[rows][0][:, None] * (v[0].float() - torch.einsum("hkv,hk->hv", state, kd))
+                state.add_(kd[..., None] * u[:, None, :])
+                core.append(torch.einsum("hkv,hk->hv", state, qd)[None])
+        core = torch.cat(core).to(hidden_states.dtype)
+        normed = self.norm(core.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(tokens, -1)
+        out, _ = self.out_proj(normed)
+        return out
 
 
 class Qwen3_5DecoderLayer(torch.nn.Module):
@@ -260,19 +327,21 @@ class Qwen3_5DecoderLayer(torch.nn.Module):
     full attention or GatedDeltaNet, post-attention norm, then the MoE block when the text config is the MoE one
     (the adapter picks it by text_config.model_type == 'qwen3_5_moe_text'); returns (hidden, residual)."""
 
-    def __init__(self, text, layer_type, attn_idx, linear_idx, block_size):
+    def __init__(self, text, layer_type, attn_idx, linear_idx, cache_config=None):
         super().__init__()
         self.layer_type = layer_type
         hidden = text.hidden_size
-        self.input_layernorm, self.post_attention_layernorm = _Norm(), _Norm()
+        self.input_layernorm, self.post_attention_layernorm = _Norm(hidden), _Norm(hidden)
         if layer_type == "full_attention":
-            self.self_attn = Qwen3_5FullAttention(hidden, text.num_attention_heads, text.num_key_value_heads,
-                                                  text.head_dim, attn_idx, block_size)
+            self.self_attn = Qwen3_5FullAttention(text, attn_idx, cache_config)
         else:
-            self.linear_attn = GatedDeltaNet(hidden)
+            self.linear_attn = GatedDeltaNet(text, getattr(text, "linear_conv_kernel_dim", 4))
             self.linear_idx = linear_idx
         moe = getattr(text, "model_type", "") == "qwen3_5_moe_text"
-        self.mlp = Qwen3_5MoeSparseBlock(hidden=hidden) if moe else None
+        self.mlp = None
+        if moe:
+            self.mlp = Qwen3_5MoeSparseBlock(text.num_experts, text.num_experts_per_tok, hidden,
+                                             text.moe_intermediate_size, text.shared_expert_intermediate_size)
 
     def forward(self, positions, hidden_states, kv_caches, attn_metadata, residual, conv_state, temporal_state):
         if residual is None:
@@ -290,6 +359,33 @@ class Qwen3_5DecoderLayer(torch.nn.Module):
             hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
             hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
+
+
+class Qwen3_5Model(torch.nn.Module):
+    """The text model (the checkpoint's model.language_model.*): embedding, layers, final norm."""
+
+    def __init__(self, text, cache_config=None):
+        super().__init__()
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        self.embed_tokens = VocabParallelEmbedding(text.vocab_size, text.hidden_size)
+        self.layers = torch.nn.ModuleList()
+        attn_idx = linear_idx = 0
+        for layer_type in text.layer_types:
+            self.layers.append(Qwen3_5DecoderLayer(text, layer_type, attn_idx, linear_idx, cache_config))
+            attn_idx += layer_type == "full_attention"
+            linear_idx += layer_type != "full_attention"
+        self.num_linear_layers = linear_idx
+        self.norm = _Norm(text.hidden_size)
+
+
+# ../shared/ADAPTER.md 4b: the 5a1c8c7 loader's renames and skips
+_SKIPPED = ("model.visual", "mtp.", "model.mtp")
+_RENAMES = (("model.language_model.", "model."), (".linear_attn.conv1d.weight", ".linear_attn.conv1d_weight"),
+            (".mlp.shared_expert.down_proj.", ".mlp.shared_expert_down."))
+_STACKED = ((".mlp.shared_expert.gate_proj.", ".mlp.shared_expert_gate_up.", 0),
+            (".mlp.shared_expert.up_proj.", ".mlp.shared_expert_gate_up.", 1),
+            (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0), (".mlp.up_proj.", ".mlp.gate_up_proj.", 1))
 
 
 class Qwen3_5ForCausalLM(torch.nn.Module):
@@ -310,19 +406,17 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
 
     def __init__(self, config, cache_config=None, quant_config=None, scheduler_config=None, **kwargs):
         super().__init__()
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.sampler import Sampler
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
         text = getattr(config, "text_config", config)
-        hidden = text.hidden_size
         self.block_size = cache_config.block_size if cache_config is not None else 16
         self.max_batch = scheduler_config.max_num_seqs if scheduler_config is not None else 8
-        self.embed_tokens = torch.nn.Embedding(text.vocab_size, hidden)
-        self.layers = torch.nn.ModuleList()
-        attn_idx = linear_idx = 0
-        for layer_type in text.layer_types:
-            self.layers.append(Qwen3_5DecoderLayer(text, layer_type, attn_idx, linear_idx, self.block_size))
-            attn_idx += layer_type == "full_attention"
-            linear_idx += layer_type != "full_attention"
-        self.num_linear_layers = linear_idx
-        self.lm_head = torch.nn.Linear(hidden, text.vocab_size, bias=False)
+        self.model = Qwen3_5Model(text, cache_config)
+        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size)
+        self.logits_processor = LogitsProcessor(text.vocab_size)
+        self.sampler = Sampler()
         self.mamba_cache = None
         self._gdn_prefix_cache = collections.OrderedDict()
         self._gdn_prefix_cache_max = 16
@@ -331,10 +425,10 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
     def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate_tensors=None, **kwargs):
         from vllm.model_executor.models.mamba_cache import MambaCacheManager
 
-        hidden = self.embed_tokens.embedding_dim
         if self.mamba_cache is None:
-            self.mamba_cache = MambaCacheManager(torch.float32, self.num_linear_layers, self.max_batch,
-                                                 (3, hidden), (hidden,))
+            linear = next(layer.linear_attn for layer in self.model.layers if layer.layer_type != "full_attention")
+            self.mamba_cache = MambaCacheManager(torch.float32, self.model.num_linear_layers, self.max_batch,
+                                                 *linear.state_shapes())
         conv_states, temporal_states = self.mamba_cache.current_run_tensors(input_ids, attn_metadata, **kwargs)
         # the pinned adapter's block-id restore and save, inline in its forward as there (same statements)
         _is_single_seq_prefill = (
@@ -354,10 +448,10 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
                         temporal_states[:, 0].copy_(saved_temporal.to(temporal_states.device), non_blocking=True)
                         self._gdn_prefix_cache.move_to_end(lookup_key)
                         logger.debug("GDN prefix cache hit: prefix_len=%d blocks=%d", context_len, num_prefix_blocks)
-        h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        h, residual = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
             h, residual = layer(positions, h, kv_caches, attn_metadata, residual, conv_states, temporal_states)
-        hidden_states = _rms(h + residual)
+        hidden_states, _ = self.model.norm(h, residual)
         if _is_single_seq_prefill:
             context_len = int(attn_metadata.context_lens_tensor[0].item())
             query_len = attn_metadata.num_prefill_tokens
@@ -376,14 +470,57 @@ class Qwen3_5ForCausalLM(torch.nn.Module):
         return hidden_states
 
     def compute_logits(self, hidden_states, sampling_metadata=None):
-        if sampling_metadata is not None:
-            hidden_states = hidden_states.index_select(0, sampling_metadata.selected_token_indices)
-        return self.lm_head(hidden_states)
+        if sampling_metadata is None:  # the test harnesses' own loops, at TP 1: every row's logits
+            return hidden_states @ self.lm_head.weight[:self.logits_processor.org_vocab_size].t()
+        return self.logits_processor(self.lm_head, hidden_states, sampling_metadata)
 
     def sample(self, logits, sampling_metadata):
-        from vllm.model_executor.layers.sampler import Sampler
+        return self.sampler(logits, sampling_metadata)
 
-        return Sampler()(logits, sampling_metadata)
+    def load_weights(self, weights):
+        """The 5a1c8c7 loader's rules (../shared/ADAPTER.md 4b), a name that matches no parameter skipped silently
+        as there."""
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        for name, loaded in weights:
+            if name.startswith(_SKIPPED) or "rotary_emb.inv_freq" in name:
+                continue
+            for old, new in _RENAMES:
+                name = name.replace(old, new)
+            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                fused = name.rsplit(".", 1)[0]
+                for expert in range(loaded.shape[0]):
+                    if name.endswith("gate_up_proj"):
+                        gate, up = loaded[expert].chunk(2, dim=0)
+                        self._expert(params, fused + ".w13_weight", gate, "w1", expert)
+                        self._expert(params, fused + ".w13_weight", up, "w3", expert)
+                    else:
+                        self._expert(params, fused + ".w2_weight", loaded[expert], "w2", expert)
+                continue
+            if ".mlp.experts." in name and name.split(".mlp.experts.")[1].split(".")[0].isdigit():
+                head, tail = name.split(".mlp.experts.")
+                expert, proj = tail.split(".")[:2]
+                target = head + (".mlp.experts.w2_weight" if proj == "down_proj" else ".mlp.experts.w13_weight")
+                self._expert(params, target, loaded, {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj],
+                             int(expert))
+                continue
+            for old, new, shard in _STACKED:
+                if old in name:
+                    name = name.replace(old, new)
+                    if name in params:
+                        params[name].weight_loader(params[name], loaded, shard)
+                    break
+            else:
+                if name not in params:
+                    continue
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, loaded)
+
+    @staticmethod
+    def _expert(params, name, loaded, shard, expert):
+        if name in params:
+            params[name].weight_loader(params[name], loaded, shard, expert)
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
@@ -512,7 +649,9 @@ class {prefix}TextConfig(PreTrainedConfig):
 
     def __init__(self, vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
                  num_key_value_heads=2, head_dim=256, max_position_embeddings=262144, rms_norm_eps=1e-6,
-                 layer_types=None, full_attention_interval=4, **kwargs):
+                 layer_types=None, full_attention_interval=4, rope_theta=10000000.0, linear_num_key_heads=16,
+                 linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=256,
+                 num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512, **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -521,6 +660,12 @@ class {prefix}TextConfig(PreTrainedConfig):
         self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.linear_num_key_heads, self.linear_num_value_heads = linear_num_key_heads, linear_num_value_heads
+        self.linear_key_head_dim, self.linear_value_head_dim = linear_key_head_dim, linear_value_head_dim
+        self.num_experts, self.num_experts_per_tok = num_experts, num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
         self.layer_types = layer_types
         if self.layer_types is None:
             self.layer_types = ["linear_attention" if bool((i + 1) % full_attention_interval) else "full_attention"
@@ -566,7 +711,8 @@ CONFIGS = {"qwen3_5": _config("qwen3_5", "Qwen3_5", "qwen3_5", "qwen3_5_vision",
 
 # adapter file -> (vendor file it replaces, what the stand-in changes in the public file)
 REPLACEMENTS = {
-    "paged_attn.py": ("vllm/attention/ops/paged_attn.py", "the V1/V2 choice moved into a function that forces V1"),
+    "paged_attn.py": ("vllm/attention/ops/paged_attn.py",
+                      "the V1/V2 choice moved into a function that forces V1; the image's decode call"),
     "mamba_cache.py": ("vllm/model_executor/models/mamba_cache.py", "a request's state slot zeroed when it takes it"),
     "sequence.py": ("vllm/sequence.py", "RequestMetrics.num_cached_tokens"),
     "scheduler.py": ("vllm/core/scheduler.py", "num_cached_tokens recorded as the block manager's whole hit"),
@@ -623,6 +769,11 @@ def replacement(name: str, vendor_text: str) -> str:
                                  "            max_seq_len, max_num_partitions, num_seqs, num_heads)", vendor_text)
         text = text.replace("    @staticmethod\n    def forward_decode(", V1_FUNCTION, 1)
         assert n == 1 and V1_FUNCTION in text, "the public paged_attn.py changed"
+        # made from the image's file, as the adapter's is: its decode call passes ixformer's arguments only
+        for edit in VENDOR_EDITS:
+            if edit.file.endswith("/paged_attn.py") and "paged_attention_v1" in edit.pattern:
+                text, n = re.subn(edit.pattern, edit.replacement, text)
+                assert n == edit.matches, "the public paged_attn.py changed"
         return text
     if name in EDITS:
         text = vendor_text

@@ -7,8 +7,7 @@ KV cache and the decode reference are checked against the prefill reference. The
 processes, a gloo group, the ixformer all-reduce on it), without the prefix cache, with a reference made wrong on
 purpose, with each shim left out, and with a checkpoint that does not write every parameter.
 
-The flagship (Qwen3.6 through the adapter) is not run here: its tiny checkpoint (the composite hybrid config with
-the published tensor names) is not built yet, and the stand-in adapter's model has no load_weights.
+The flagship (Qwen3.6 through the adapter) runs the same harness in test_generate_flagship.py.
 """
 
 from __future__ import annotations

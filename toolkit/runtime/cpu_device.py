@@ -213,21 +213,88 @@ class UnwrittenParameters(RuntimeError):
     """The model's loader left parameters as they were initialised: the checkpoint did not write them."""
 
 
+class UnusedTensors(RuntimeError):
+    """Checkpoint tensors the model's loader read and wrote nowhere, and that it is not documented to skip."""
+
+
+# what a loader may leave unused by design: the Qwen3.5/3.6 adapter's vision tower and MTP head
+# (../shared/ADAPTER.md 4b), and the rotary tables both it and vLLM's own loaders drop
+DOCUMENTED_SKIPS = ("model.visual", "mtp.", "model.mtp")
+DOCUMENTED_SKIP_PARTS = ("rotary_emb.inv_freq",)
+WRITES = frozenset({"copy_", "__setitem__", "index_copy_", "index_put_", "masked_scatter_"})
+
+
+def _tensors(value: Any, torch: types.ModuleType) -> Iterator[Any]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item, torch)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item, torch)
+
+
+def _landing(torch: types.ModuleType, weights: Any, landed: set[str], read: list[str]) -> Any:
+    """The loader's weights, each name followed through every tensor computed from it (a narrow, a chunk, a cast)
+    to a write into another tensor (copy_, item assignment): what the loader landed. Every tensor seen is kept
+    alive until the load ends, so a freed one's storage address is never taken for another's."""
+    from torch.overrides import TorchFunctionMode
+
+    origin: dict[int, frozenset[str]] = {}
+    alive: list[Any] = []
+
+    def key(tensor: Any) -> int:
+        return int(tensor.untyped_storage().data_ptr())
+
+    class Landing(TorchFunctionMode):
+        def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = getattr(func, "__name__", "")
+            inputs = list(_tensors(args[1:] if name in WRITES else (args, kwargs), torch))
+            sources = frozenset().union(*(origin.get(key(t), frozenset()) for t in inputs if t.device.type != "meta"))
+            if sources:
+                if name in WRITES:
+                    landed.update(sources)
+                else:
+                    for tensor in _tensors(out, torch):
+                        origin[key(tensor)] = origin.get(key(tensor), frozenset()) | sources
+                        alive.append(tensor)
+            return out
+
+    with Landing():
+        for name, tensor in weights:
+            read.append(name)
+            origin[key(tensor)] = origin.get(key(tensor), frozenset()) | {name}
+            alive.append(tensor)
+            yield name, tensor
+
+
 def _load_check(vllm_loader: types.ModuleType) -> None:
     """Every parameter is filled with NaN before the loader runs, and none may hold a NaN after it: a checkpoint
     tensor the model's load_weights skips (a name it does not know is skipped silently) fails the start here,
-    naming the parameters, instead of serving garbage."""
+    naming the parameters, instead of serving garbage. And every checkpoint tensor the loader reads must land in
+    the model, or be one it is documented to skip (DOCUMENTED_SKIPS): a misnamed tensor beside a parameter some
+    other tensor fills is caught too."""
     import torch
 
     initialize = vllm_loader._initialize_model
     load_model = vllm_loader.DefaultModelLoader.load_model
+    landed: set[str] = set()
+    read: list[str] = []
 
     def nan_filled(*args: Any, **kwargs: Any) -> Any:
         model = initialize(*args, **kwargs)
+        landed.clear()  # one load at a time: a second engine in this process starts afresh
+        read.clear()
         with torch.no_grad():
             for parameter in model.parameters():
                 if parameter.is_floating_point():
                     parameter.fill_(float("nan"))
+        load_weights = model.load_weights
+        model.load_weights = lambda weights: load_weights(_landing(torch, weights, landed, read))
         return model
 
     def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -235,12 +302,22 @@ def _load_check(vllm_loader: types.ModuleType) -> None:
         floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
         names = [name for name, _ in floating]
         unwritten = [name for name, p in floating if p.isnan().any()]
-        standins.RECORD["load"] = {"parameters": len(names), "unwritten": unwritten}
+        skipped = [name for name in read if name not in landed
+                   and (name.startswith(DOCUMENTED_SKIPS) or any(part in name for part in DOCUMENTED_SKIP_PARTS))]
+        unused = [name for name in read if name not in landed and name not in skipped]
+        standins.RECORD["load"] = {"parameters": len(names), "unwritten": unwritten, "tensors": len(read),
+                                   "skipped": skipped, "unused": unused}
         if unwritten:
             raise UnwrittenParameters(
                 f"{len(unwritten)} of {len(names)} parameters of {type(model).__name__} were not written by its "
                 f"loader (still NaN): {', '.join(unwritten[:8])}{' ...' if len(unwritten) > 8 else ''}; the "
                 "checkpoint's tensor names do not reach them (load_weights skips a name it does not know)")
+        if unused:
+            raise UnusedTensors(
+                f"{len(unused)} of {len(read)} checkpoint tensors were read by {type(model).__name__}'s loader and "
+                f"written nowhere: {', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}; load_weights skips "
+                "a name it does not know, so these weights are not served (documented skips: "
+                f"{', '.join([*DOCUMENTED_SKIPS, *DOCUMENTED_SKIP_PARTS])})")
         return model
 
     vllm_loader._initialize_model = nan_filled  # type: ignore[attr-defined]
@@ -249,7 +326,8 @@ def _load_check(vllm_loader: types.ModuleType) -> None:
 
 
 CHECKS = {"load-check": "every model parameter is NaN before the loader runs and none is after (the checkpoint "
-                        "wrote each one)"}
+                        "wrote each one), and every checkpoint tensor the loader reads lands in the model or is one "
+                        "it is documented to skip"}
 
 
 def install(devices: dict[str, Any] | None, without: tuple[str, ...] = ()) -> None:

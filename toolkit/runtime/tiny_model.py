@@ -1,14 +1,22 @@
 """A tiny checkpoint of the recipe's model architecture, for running the served path on a CPU.
 
 What the served code depends on is kept: the architecture and model_type, the head size, the ratio of query to KV
-heads, the served dtype, the tensor names of the published checkpoint (transformers writes them: the names a
-loader's `load_weights` maps), the family's special tokens; everything else is shrunk (4 layers, a vocabulary of a
-few hundred). The KV heads are the tensor-parallel size, so every rank holds whole heads. Seeded: the same spec
-gives the same bytes. Built by the CPU runtime's Python (run as a script), cached by the spec's content hash,
-written to a temporary folder and renamed into place.
+heads, the served dtype, the tensor names of the published checkpoint (the names a loader's `load_weights` maps),
+the family's special tokens; everything else is shrunk (a vocabulary of a few hundred). The KV heads are the
+tensor-parallel size, so every rank holds whole heads. Seeded: the same spec gives the same bytes. Built by the CPU
+runtime's Python (run as a script), cached by the spec's content hash, written to a temporary folder and renamed
+into place.
 
-Not yet: the composite hybrid configs (Qwen3.5/3.6: text_config, linear attention, experts, the MTP and vision
-tensors the loader skips); `tiny_spec` refuses them and says so.
+Two families:
+- a single config (Qwen2): 4 layers, transformers builds the model from its config and writes it;
+- the composite hybrid config (Qwen3.5/3.6, `model.text_config`): the text model under `text_config` with a
+  `vision_config` beside it, 8 layers with full attention every `full_attention_interval`, GatedDeltaNet layers with
+  the recipe's key-to-value head ratio, 8 experts (top 2) and a shared expert. The image's transformers has no
+  model class for it (the adapter adds config classes only), so the tensors are written here under the published
+  checkpoint's names (`model.language_model.*`, fused experts, the shared expert, and the vision and MTP tensors
+  the adapter's loader skips: HYBRID_TENSORS). The linear-attention projections carry Qwen3-Next's names
+  (in_proj_qkvz, in_proj_ba, grouped per key head): not checked against a Qwen3.6 checkpoint index, which is not
+  in this repository.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if m['content'] is string else '' }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 LAYERS = 4
+HYBRID_LAYERS = 8
+HYBRID_HIDDEN = 64
 VOCAB = 384
 SEED = 0
 
@@ -37,17 +47,30 @@ def tiny_spec(model: Any, tp: int) -> dict[str, Any]:
     if model.architecture is None or model.model_type is None:
         raise ToolkitError("a tiny model needs the served model's architecture and model_type",
                            hint="set model.architecture and model.model_type in the recipe")
-    if model.text_config or model.linear_attention is not None:
-        raise ToolkitError(f"no tiny checkpoint for {model.architecture} yet: its composite config (text_config, "
-                           "linear attention, experts) is not built here",
-                           hint="the served path runs on a CPU for single-config attention models (Qwen2 family)")
     heads = model.num_attention_heads or model.hidden_size // model.head_dim
     if heads % model.num_kv_heads:
         raise ToolkitError(f"{heads} query heads do not split over {model.num_kv_heads} KV heads")
     ratio = heads // model.num_kv_heads
-    return {"architecture": model.architecture, "model_type": model.model_type, "dtype": model.dtype,
+    spec = {"architecture": model.architecture, "model_type": model.model_type, "dtype": model.dtype,
             "head_dim": model.head_dim, "num_key_value_heads": tp, "num_attention_heads": ratio * tp,
             "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "seed": SEED}
+    if not model.text_config and model.linear_attention is None:
+        return spec
+    linear = model.linear_attention
+    if not model.text_config or linear is None:
+        raise ToolkitError(f"no tiny checkpoint for {model.architecture}: only the composite hybrid config "
+                           "(text_config with linear attention, Qwen3.5/3.6) and single attention configs are built",
+                           hint="declare both model.text_config and model.linear_attention, or neither")
+    if linear.num_value_heads % linear.num_key_heads:
+        raise ToolkitError(f"{linear.num_value_heads} linear-attention value heads do not split over "
+                           f"{linear.num_key_heads} key heads")
+    # key and value head dims differ, so a transposed recurrent state cannot pass
+    return {**spec, "composite": True, "num_hidden_layers": HYBRID_LAYERS, "hidden_size": HYBRID_HIDDEN,
+            "full_attention_interval": model.full_attention_interval,
+            "linear_num_key_heads": tp, "linear_num_value_heads": tp * linear.num_value_heads // linear.num_key_heads,
+            "linear_key_head_dim": 32, "linear_value_head_dim": 64, "linear_conv_kernel_dim": linear.conv_kernel,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32}
 
 
 def build(spec: dict[str, Any], python: Path, cache: Path) -> Path:
@@ -103,12 +126,100 @@ def _tokenizer(out: Path) -> Any:
     return fast
 
 
+def _hybrid_config(spec: dict[str, Any], specials: dict[str, int]) -> dict[str, Any]:
+    interval = spec["full_attention_interval"]
+    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                   for i in range(spec["num_hidden_layers"])]
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size", "full_attention_interval", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+    text = {key: spec[key] for key in keys} | {
+        "model_type": f"{spec['model_type']}_text", "layer_types": layer_types, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
+        "torch_dtype": spec["dtype"], **specials}
+    return {"architectures": [spec["architecture"]], "model_type": spec["model_type"], "torch_dtype": spec["dtype"],
+            "tie_word_embeddings": False, "text_config": text,
+            "vision_config": {"model_type": spec["model_type"], "depth": 1, "hidden_size": 16}, **specials}
+
+
+def hybrid_tensors(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The published Qwen3.5/3.6 MoE checkpoint's tensor names and their shapes, for `spec`."""
+    hidden, head_dim, text = spec["hidden_size"], spec["head_dim"], "model.language_model"
+    hk, hv = spec["linear_num_key_heads"], spec["linear_num_value_heads"]
+    dk, dv, kernel = spec["linear_key_head_dim"], spec["linear_value_head_dim"], spec["linear_conv_kernel_dim"]
+    experts, inter, shared = spec["num_experts"], spec["moe_intermediate_size"], spec["shared_expert_intermediate_size"]
+    vocab = spec["vocab_size"]
+    names: dict[str, tuple[int, ...]] = {f"{text}.embed_tokens.weight": (vocab, hidden),
+                                         f"{text}.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    for i in range(spec["num_hidden_layers"]):
+        layer = f"{text}.layers.{i}"
+        names |= {f"{layer}.input_layernorm.weight": (hidden,), f"{layer}.post_attention_layernorm.weight": (hidden,),
+                  f"{layer}.mlp.gate.weight": (experts, hidden),
+                  f"{layer}.mlp.experts.gate_up_proj": (experts, 2 * inter, hidden),
+                  f"{layer}.mlp.experts.down_proj": (experts, hidden, inter),
+                  f"{layer}.mlp.shared_expert.gate_proj.weight": (shared, hidden),
+                  f"{layer}.mlp.shared_expert.up_proj.weight": (shared, hidden),
+                  f"{layer}.mlp.shared_expert.down_proj.weight": (hidden, shared),
+                  f"{layer}.mlp.shared_expert_gate.weight": (1, hidden)}
+        if (i + 1) % spec["full_attention_interval"] == 0:
+            heads, kv = spec["num_attention_heads"], spec["num_key_value_heads"]
+            names |= {f"{layer}.self_attn.q_proj.weight": (2 * heads * head_dim, hidden),
+                      f"{layer}.self_attn.k_proj.weight": (kv * head_dim, hidden),
+                      f"{layer}.self_attn.v_proj.weight": (kv * head_dim, hidden),
+                      f"{layer}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+                      f"{layer}.self_attn.q_norm.weight": (head_dim,), f"{layer}.self_attn.k_norm.weight": (head_dim,)}
+        else:
+            conv = hk * 2 * dk + hv * dv
+            names |= {f"{layer}.linear_attn.in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, hidden),
+                      f"{layer}.linear_attn.in_proj_ba.weight": (2 * hv, hidden),
+                      f"{layer}.linear_attn.conv1d.weight": (conv, 1, kernel),
+                      f"{layer}.linear_attn.A_log": (hv,), f"{layer}.linear_attn.dt_bias": (hv,),
+                      f"{layer}.linear_attn.norm.weight": (dv,),
+                      f"{layer}.linear_attn.out_proj.weight": (hidden, hv * dv)}
+    # what the adapter's loader skips by name (ADAPTER.md 4b): the vision tower and the MTP head
+    names |= {"model.visual.patch_embed.proj.weight": (16, 3, 2, 2), "model.visual.blocks.0.attn.qkv.weight": (48, 16),
+              "mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
+              "mtp.layers.0.mlp.gate.weight": (experts, hidden)}
+    return names
+
+
+def _hybrid_weights(spec: dict[str, Any], out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(spec["seed"])
+    tensors = {}
+    for name, shape in hybrid_tensors(spec).items():
+        value = torch.randn(shape, generator=gen)
+        if name.endswith("linear_attn.norm.weight"):  # the gated norm multiplies by its weight
+            value = 1 + 0.1 * value
+        elif name.endswith("A_log"):
+            value = 0.5 * value
+        elif name.endswith("dt_bias"):
+            value = 1 + 0.1 * value
+        elif name.endswith("conv1d.weight"):
+            value = value / shape[-1]
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):  # zero-centred: 1 + weight
+            value = 0.1 * value
+        else:
+            value = 0.15 * value
+        tensors[name] = value.to(getattr(torch, spec["dtype"])).contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
 def main(spec: dict[str, Any], out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     out.mkdir(parents=True)
     fast = _tokenizer(out)
+    if spec.get("composite"):
+        specials = {"bos_token_id": fast.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": fast.eos_token_id}
+        (out / "config.json").write_text(json.dumps(_hybrid_config(spec, specials), indent=2) + "\n")
+        GenerationConfig(eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id).save_pretrained(out)
+        _hybrid_weights(spec, out)
+        return
     heads, head_dim = spec["num_attention_heads"], spec["head_dim"]
     config = AutoConfig.for_model(
         spec["model_type"], architectures=[spec["architecture"]], vocab_size=spec["vocab_size"],

@@ -1,0 +1,137 @@
+"""The flagship's served path on a CPU (`pytest -k generate`): vLLM 0.6.3's own LLMEngine over the CoreX-like tree
+patched by recipes/bi100-qwen36.yaml with the stand-in adapter (its model built from vLLM's layers, full attention
+through the vendor's xFormers backend, GatedDeltaNet state in the mamba cache, the flagship's prefix-state and native
+fast-path transforms in place), and a tiny checkpoint of the composite hybrid config under the published tensor
+names (toolkit/runtime/tiny_model.py), loaded by the adapter's load_weights rules. Each generated token is checked
+against a recompute (the prompt plus the tokens so far sent alone to a fresh engine: no cache, no prefix hit, no
+chunking), so the paged KV cache, the decode reference and the linear-attention state carried step to step are
+checked against a full prefill; then TP 2 and the prefix cache off give the same tokens, and a checkpoint whose
+names the loader skips fails the start. The harness and its comparisons are test_generate.py's; transformers has
+no class for this model, so there is no transformers reference here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FLAGSHIP, REPO, roots_of, transformers_site
+from test_generate import ALL_REFERENCES, differences, mismatches, run
+
+from toolkit.cli import main
+from toolkit.inputs import cache_dir
+from toolkit.recipe import load_recipe
+from toolkit.runtime import cpu_device, standins, tiny_model
+from toolkit.runtime.env import runtime
+from toolkit.runtime.preflight import emulated_devices
+
+# the vendor's ops on the flagship's path: linear, rotary, the KV write and the decode attention (its norms and
+# activations are the adapter's torch code); not ixformer's flash prefill op, which is wrong at head size 256: the
+# flagship's xformers-sdpa-fallback computes prefills instead
+FLASH_PREFILL = "ixformer.contrib.xformers.ops.memory_efficient_attention_forward"
+FLAGSHIP_REFERENCES = ALL_REFERENCES - {"ixformer.functions.rms_norm", "ixformer.functions.fused_add_rms_norm",
+                                        "ixformer.functions.silu_and_mul", FLASH_PREFILL}
+SKIPPED = {"model.visual.patch_embed.proj.weight", "model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight",
+           "mtp.norm.weight", "mtp.layers.0.mlp.gate.weight"}
+
+
+@pytest.fixture(scope="module")
+def flagship(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, adapter_args: list[str],
+             transformers_455: Path) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("generate-flagship")
+    rootfs = work / "rootfs"
+    shutil.copytree(corex_template, rootfs, symlinks=True)
+    site = transformers_site(rootfs, transformers_455, full=True)
+    assert main(["apply", str(FLAGSHIP), "--rootfs", str(rootfs), *adapter_args,
+                 "--package-root", f"transformers={site}"]) == 0
+    recipe = load_recipe(FLAGSHIP).recipe
+    python = runtime()
+    model = tiny_model.build(tiny_model.tiny_spec(recipe.model, 2), python, cache_dir() / "tiny-models")
+    devices = dict(emulated_devices(recipe), memory_gb=0.5)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOOLKIT_")}, **recipe.env,
+           **standins.environment(work / "standins", recipe.base_image.gpu_library_names,
+                                  [site, roots_of(rootfs)[1], REPO / "tests"], recipe.base_image.absent_modules,
+                                  devices, cpu_device=True)}
+    return {"work": work, "python": python, "model": model, "env": env}
+
+
+@pytest.fixture(scope="module")
+def tp1(flagship: dict[str, Any]) -> dict[str, Any]:
+    result = run(flagship, "tp1", oracle=True, reference=False)
+    assert result["code"] == 0, result["stderr"][-4000:]
+    return result
+
+
+def test_flagship_generation_matches_the_recompute_at_tp1(tp1: dict[str, Any]) -> None:
+    print(json.dumps({k: tp1[k] for k in ("outputs", "prefix_hit_rate", "cache")}, indent=1))
+    assert not mismatches(tp1["outputs"], tp1["oracle"])
+    assert len(set(tp1["outputs"]["0"]["tokens"])) > 1
+    assert tp1["prefix_hit_rate"] > 0  # the later request's two blocks (and its GatedDeltaNet state) were reused
+    record = tp1["record"]
+    assert set(record["computed"]) >= FLAGSHIP_REFERENCES and FLASH_PREFILL not in record["computed"], sorted(
+        record["computed"])
+    assert not [c for c in record["calls"] if not c["mapped"]]
+    assert set(record["shims"]) == {*cpu_device.SHIMS, *cpu_device.CHECKS}
+    load = record["load"]
+    assert not load["unwritten"] and not load["unused"] and load["parameters"] > 0, load
+    assert set(load["skipped"]) == SKIPPED  # the vision and MTP tensors, as the adapter's loader skips them
+
+
+def test_flagship_prefix_cache_off_and_tp2_give_the_same_tokens(flagship: dict[str, Any],
+                                                               tp1: dict[str, Any]) -> None:
+    off = run(flagship, "off", prefix_caching=False, reference=False)
+    assert off["code"] == 0, off["stderr"][-4000:]
+    assert not differences(tp1["outputs"], off["outputs"])
+    tp2 = run(flagship, "tp2", tp=2, reference=False)
+    assert tp2["code"] == 0, tp2["stderr"][-4000:]
+    assert not differences(tp1["outputs"], tp2["outputs"])
+    workers = [p for p in tp2["record"]["processes"] if p.get("computed")]
+    assert len(workers) == 1, "the second rank computed in its own process"
+    for rank in (tp2["record"], workers[0]):
+        assert rank["computed"]["ixformer.distributed.all_reduce"] > 0
+
+
+def _rewritten(flagship: dict[str, Any], folder: Path, edit: str) -> Path:
+    """A copy of the tiny checkpoint with its tensors edited by `edit` (Python, on the dict `tensors`)."""
+    shutil.copytree(flagship["model"], folder)
+    code = ("from safetensors.torch import load_file, save_file\nimport sys\ntensors = load_file(sys.argv[1])\n"
+            f"{edit}\nsave_file(tensors, sys.argv[1], metadata={{'format': 'pt'}})\n")
+    subprocess.run([str(flagship["python"]), "-c", code, str(folder / "model.safetensors")], check=True)
+    return folder
+
+
+def test_a_tensor_name_the_adapters_loader_skips_fails_the_start(flagship: dict[str, Any], tmp_path: Path) -> None:
+    # the shared expert's gate under another name: the adapter's loader skips it silently, the parameter stays NaN
+    name = "model.language_model.layers.1.mlp.shared_expert_gate.weight"
+    wrong = name.replace("shared_expert_gate", "shared_expert_gating")
+    renamed = _rewritten(flagship, tmp_path / "renamed", f"tensors['{wrong}'] = tensors.pop('{name}')")
+    result = run(flagship, "renamed", model=str(renamed), reference=False)
+    assert result["code"] != 0
+    assert "UnwrittenParameters: 1 of " in result["stderr"], result["stderr"][-3000:]
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in result["stderr"]
+
+
+def test_a_tensor_that_lands_nowhere_fails_the_start(flagship: dict[str, Any], tmp_path: Path) -> None:
+    # every parameter is written, and one more tensor (a bias the adapter's model has no parameter for) is read
+    # and dropped: a checkpoint this model does not fit
+    name = "model.language_model.layers.0.mlp.shared_expert.gate_proj.bias"
+    extra = _rewritten(flagship, tmp_path / "extra",
+                       f"import torch\ntensors['{name}'] = torch.ones(32, dtype=torch.bfloat16)")
+    result = run(flagship, "extra", model=str(extra), reference=False)
+    assert result["code"] != 0
+    assert "UnusedTensors: 1 of " in result["stderr"] and name in result["stderr"], result["stderr"][-3000:]
+    unchecked = run(flagship, "extra-unchecked", model=str(extra), reference=False, without="load-check")
+    assert unchecked["code"] == 0, "without the check the same checkpoint loads and serves, silently"
+
+
+def test_a_wrong_decode_reference_fails_the_flagship_generation_check(flagship: dict[str, Any]) -> None:
+    # the flagship's decode attention is the vendor's op (16 query heads on 2 KV heads): its head mapping ignored
+    result = run(flagship, "head-mapping-ignored", mutant="head-mapping-ignored", prefix_caching=False, oracle=True,
+                 reference=False)
+    assert result["code"] == 0, result["stderr"][-4000:]
+    assert mismatches(result["outputs"], result["oracle"])
