@@ -96,16 +96,20 @@ def _tp():
 
 
 def _sharded(param, dim, pieces=1):
-    """Give param a weight_loader taking this rank's slice of a checkpoint tensor along dim (dim None: all of it);
-    with pieces > 1 the parameter stacks that many checkpoint tensors along dim and shard says which one."""
+    """Give param a weight_loader taking this rank's slice of a checkpoint tensor along dim (dim None: all of it).
+    pieces: an int n > 1, the parameter stacks n checkpoint tensors of one size along dim and shard says which one;
+    a list, the global sizes of the parts of one checkpoint tensor that shard each on their own (a fused q, k, v:
+    this rank holds its slice of each, in order)."""
 
     def load(param, loaded, shard=0):
         rank, size = _tp()
         target = param.data
         if dim is not None:
-            loaded = loaded.narrow(dim, rank * loaded.shape[dim] // size, loaded.shape[dim] // size)
-            part = target.shape[dim] // pieces
-            target = target.narrow(dim, shard * part, part)
+            parts = loaded.split(pieces, dim) if isinstance(pieces, list) else [loaded]
+            loaded = torch.cat([p.narrow(dim, rank * p.shape[dim] // size, p.shape[dim] // size) for p in parts], dim)
+            if not isinstance(pieces, list):
+                part = target.shape[dim] // pieces
+                target = target.narrow(dim, shard * part, part)
         target.copy_(loaded)
 
     param.weight_loader = load
@@ -249,14 +253,15 @@ class Qwen3_5FullAttention(torch.nn.Module):
 
 
 class GatedDeltaNet(torch.nn.Module):
-    """The linear-attention layer as Qwen3-Next/3.5 computes it (../shared/DESIGN.md section 5), with the adapter's
-    forward signature. The q, k, v, z projection and the b, a projection are grouped per key head, so a contiguous
-    TP shard holds whole key heads with their value heads; a causal depthwise conv (kernel 4, SiLU) runs over q, k
-    and v, its state the last 3 inputs; then the gated delta rule, a prefill row through
-    _torch_chunk_gated_delta_rule from its slot's state (once per sequence, as the adapter), a decode row inline;
-    the gated norm per value head; the output projection (a TP all-reduce). Both states live in the sequence's
-    mamba cache slot, never in the KV cache: every row continues from its slot (a prefix hit's tokens are not fed
-    again)."""
+    """The linear-attention layer as Qwen3.5 computes it (../shared/DESIGN.md section 5), with the adapter's forward
+    signature and Qwen3.5's checkpoint projections: in_proj_qkv (all q, then all k, then all v: each shards over the
+    TP ranks on its own), in_proj_z, in_proj_b, in_proj_a; a causal depthwise conv (kernel 4, SiLU) over q, k and v,
+    its state the last 3 inputs; then the gated delta rule, a prefill row through _torch_chunk_gated_delta_rule from
+    its slot's state (once per sequence, as the adapter), a decode row inline; the gated norm per value head; the
+    output projection (a TP all-reduce). Both states live in the sequence's mamba cache slot, never in the KV cache:
+    every row continues from its slot (a prefix hit's tokens are not fed again). As the pinned adapter, a prefill
+    from token 0 also continues from the slot, which is zeroed only when a new request takes it (a request
+    preempted for recompute keeps its stale state; the flagship's prefix-state dispatch zeroes such a row)."""
 
     def __init__(self, text, kernel=4):
         super().__init__()
@@ -266,11 +271,14 @@ class GatedDeltaNet(torch.nn.Module):
         key_heads, value_heads = text.linear_num_key_heads, text.linear_num_value_heads
         self.dk, self.dv, self.ratio = text.linear_key_head_dim, text.linear_value_head_dim, value_heads // key_heads
         self.hk, self.hv, self.kernel = key_heads // size, value_heads // size, kernel
-        group = 2 * self.dk + 2 * self.ratio * self.dv
-        self.in_proj_qkvz = ColumnParallelLinear(text.hidden_size, key_heads * group, bias=False)
-        self.in_proj_ba = ColumnParallelLinear(text.hidden_size, key_heads * 2 * self.ratio, bias=False)
-        self.conv_dim = self.hk * (2 * self.dk + self.ratio * self.dv)
-        self.conv1d_weight = _sharded(torch.nn.Parameter(torch.randn(self.conv_dim, 1, kernel) / kernel), 0)
+        parts = [key_heads * self.dk, key_heads * self.dk, value_heads * self.dv]
+        self.conv_dim = sum(parts) // size
+        self.in_proj_qkv = torch.nn.Linear(text.hidden_size, self.conv_dim, bias=False)
+        _sharded(self.in_proj_qkv.weight, 0, parts)
+        self.in_proj_z = ColumnParallelLinear(text.hidden_size, value_heads * self.dv, bias=False)
+        self.in_proj_b = ColumnParallelLinear(text.hidden_size, value_heads, bias=False)
+        self.in_proj_a = ColumnParallelLinear(text.hidden_size, value_heads, bias=False)
+        self.conv1d_weight = _sharded(torch.nn.Parameter(torch.randn(self.conv_dim, 1, kernel) / kernel), 0, parts)
         self.A_log = _sharded(torch.nn.Parameter(torch.zeros(self.hv)), 0)
         self.dt_bias = _sharded(torch.nn.Parameter(torch.ones(self.hv)), 0)
         self.norm = Qwen3_5RMSNormGated(self.dv)
@@ -282,13 +290,11 @@ class GatedDeltaNet(torch.nn.Module):
 
     def forward(self, hidden_states, attn_metadata, conv_state, temporal_state):
         tokens = hidden_states.shape[0]
-        qkvz, _ = self.in_proj_qkvz(hidden_states)
-        ba, _ = self.in_proj_ba(hidden_states)
-        qkvz = qkvz.view(tokens, self.hk, -1)
-        split = 2 * self.dk + self.ratio * self.dv
-        qkv, z = qkvz[..., :split].reshape(tokens, -1), qkvz[..., split:].reshape(tokens, self.hv, self.dv)
-        ba = ba.view(tokens, self.hk, 2 * self.ratio)
-        b, a = ba[..., :self.ratio].reshape(tokens, self.hv), ba[..., self.ratio:].reshape(tokens, self.hv)
+        qkv = self.in_proj_qkv(hidden_states)
+        z, _ = self.in_proj_z(hidden_states)
+        z = z.view(tokens, self.hv, self.dv)
+        b, _ = self.in_proj_b(hidden_states)
+        a, _ = self.in_proj_a(hidden_states)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         beta = torch.sigmoid(b.float())
         weight = self.conv1d_weight[:, 0]
@@ -298,9 +304,10 @@ class GatedDeltaNet(torch.nn.Module):
             rows = slice(starts[seq], starts[seq + 1])
             window = torch.cat([conv_state[seq].to(qkv.dtype), qkv[rows]])
             conv_state[seq] = window[-(self.kernel - 1):]
-            mixed = F.silu((window.unfold(0, self.kernel, 1) * weight).sum(-1)).view(-1, self.hk, split)
-            q, k = mixed[..., :self.dk], mixed[..., self.dk:2 * self.dk]
-            v = mixed[..., 2 * self.dk:].reshape(-1, self.hv, self.dv)
+            mixed = F.silu((window.unfold(0, self.kernel, 1) * weight).sum(-1))
+            keys = self.hk * self.dk
+            q, k = mixed[:, :keys].view(-1, self.hk, self.dk), mixed[:, keys:2 * keys].view(-1, self.hk, self.dk)
+            v = mixed[:, 2 * keys:].reshape(-1, self.hv, self.dv)
             q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
             if seq < attn_metadata.num_prefills:
                 out, state = _torch_chunk_gated_delta_rule(

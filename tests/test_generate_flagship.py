@@ -24,6 +24,7 @@ from conftest import FLAGSHIP, REPO, roots_of, transformers_site
 from test_generate import ALL_REFERENCES, differences, mismatches, run
 
 from toolkit.cli import main
+from toolkit.errors import ToolkitError
 from toolkit.inputs import cache_dir
 from toolkit.recipe import load_recipe
 from toolkit.runtime import cpu_device, standins, tiny_model
@@ -116,22 +117,55 @@ def test_a_tensor_name_the_adapters_loader_skips_fails_the_start(flagship: dict[
     assert "model.layers.1.mlp.shared_expert_gate.weight" in result["stderr"]
 
 
-def test_a_tensor_that_lands_nowhere_fails_the_start(flagship: dict[str, Any], tmp_path: Path) -> None:
-    # every parameter is written, and one more tensor (a bias the adapter's model has no parameter for) is read
-    # and dropped: a checkpoint this model does not fit
-    name = "model.language_model.layers.0.mlp.shared_expert.gate_proj.bias"
-    extra = _rewritten(flagship, tmp_path / "extra",
-                       f"import torch\ntensors['{name}'] = torch.ones(32, dtype=torch.bfloat16)")
-    result = run(flagship, "extra", model=str(extra), reference=False)
-    assert result["code"] != 0
-    assert "UnusedTensors: 1 of " in result["stderr"] and name in result["stderr"], result["stderr"][-3000:]
-    unchecked = run(flagship, "extra-unchecked", model=str(extra), reference=False, without="load-check")
-    assert unchecked["code"] == 0, "without the check the same checkpoint loads and serves, silently"
-
-
 def test_a_wrong_decode_reference_fails_the_flagship_generation_check(flagship: dict[str, Any]) -> None:
     # the flagship's decode attention is the vendor's op (16 query heads on 2 KV heads): its head mapping ignored
     result = run(flagship, "head-mapping-ignored", mutant="head-mapping-ignored", prefix_caching=False, oracle=True,
                  reference=False)
     assert result["code"] == 0, result["stderr"][-4000:]
     assert mismatches(result["outputs"], result["oracle"])
+
+
+def _real_config(flagship: dict[str, Any], folder: Path, extra: list[str]) -> Path:
+    """A served checkpoint's config folder as a user has it: config.json and the index, at the real model's 40
+    layers, with layer 0's experts stored one tensor per expert (the other form the loader takes), and `extra`."""
+    spec = tiny_model.tiny_spec(load_recipe(FLAGSHIP).recipe.model, 2)
+    names = list(tiny_model.hybrid_tensors({**spec, "num_hidden_layers": 40, "num_experts": 256}))
+    fused = [n for n in names if n.startswith("model.language_model.layers.0.mlp.experts.")]
+    names = [n for n in names if n not in fused] + [
+        f"model.language_model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(256)
+        for p in ("gate_proj", "up_proj", "down_proj")] + extra
+    folder.mkdir()
+    shutil.copy(flagship["model"] / "config.json", folder / "config.json")
+    index = {"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in names}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_a_real_index_gives_the_tiny_checkpoint_its_names(flagship: dict[str, Any], tmp_path: Path) -> None:
+    """The tiny checkpoint takes the index's names exactly (layer 0's experts one tensor per expert, the loader's
+    other form: all written), and a tensor of it the adapter's model has no parameter for, which the loader skips
+    silently, stops the start; without the check the same checkpoint serves."""
+    recipe = load_recipe(FLAGSHIP).recipe
+    unknown = "model.language_model.layers.2.linear_attn.in_proj_qkv.bias"
+    spec = tiny_model.tiny_spec(recipe.model, 2, _real_config(flagship, tmp_path / "real", [unknown]))
+    assert {"model.language_model.layers.0.mlp.experts.7.down_proj.weight", unknown} <= set(spec["tensor_names"])
+    assert not [n for n in spec["tensor_names"] if ".layers.8." in n or ".experts.8." in n]
+    model = tiny_model.build(spec, flagship["python"], tmp_path / "tiny")
+    result = run(flagship, "real-names", model=str(model), reference=False, max_tokens=2)
+    assert result["code"] != 0
+    assert f"were read by Qwen3_5MoeForCausalLM's loader and written nowhere: {unknown};" in result["stderr"], (
+        result["stderr"][-3000:])
+    assert "UnusedTensors: 1 of " in result["stderr"] and "UnwrittenParameters" not in result["stderr"]
+    unchecked = run(flagship, "real-names-unchecked", model=str(model), reference=False, max_tokens=2,
+                    without="load-check")
+    assert unchecked["code"] == 0, "without the check the same checkpoint loads and serves, silently"
+
+
+def test_a_model_config_of_another_architecture_is_refused(tmp_path: Path) -> None:
+    recipe = load_recipe(FLAGSHIP).recipe
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+    with pytest.raises(ToolkitError, match=r"config.json declares Qwen2ForCausalLM \(qwen2\), the recipe serves "
+                                           r"Qwen3_5MoeForCausalLM \(qwen3_5_moe\)"):
+        tiny_model.tiny_spec(recipe.model, 2, tmp_path)
+    with pytest.raises(ToolkitError, match="does not exist"):
+        tiny_model.tiny_spec(recipe.model, 2, tmp_path / "missing")

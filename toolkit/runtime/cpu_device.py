@@ -218,10 +218,11 @@ class UnusedTensors(RuntimeError):
 
 
 # what a loader may leave unused by design: the Qwen3.5/3.6 adapter's vision tower and MTP head
-# (../shared/ADAPTER.md 4b), and the rotary tables both it and vLLM's own loaders drop
+# (../shared/ADAPTER.md 4b), the rotary tables both it and vLLM's own loaders drop (and lm_head.* where the
+# config ties it to the embedding)
 DOCUMENTED_SKIPS = ("model.visual", "mtp.", "model.mtp")
 DOCUMENTED_SKIP_PARTS = ("rotary_emb.inv_freq",)
-WRITES = frozenset({"copy_", "__setitem__", "index_copy_", "index_put_", "masked_scatter_"})
+WRITES = frozenset({"copy_", "__setitem__", "index_copy_", "index_put_", "masked_scatter_", "fill_"})
 
 
 def _tensors(value: Any, torch: types.ModuleType) -> Iterator[Any]:
@@ -235,17 +236,24 @@ def _tensors(value: Any, torch: types.ModuleType) -> Iterator[Any]:
             yield from _tensors(item, torch)
 
 
-def _landing(torch: types.ModuleType, weights: Any, landed: set[str], read: list[str]) -> Any:
-    """The loader's weights, each name followed through every tensor computed from it (a narrow, a chunk, a cast)
-    to a write into another tensor (copy_, item assignment): what the loader landed. Every tensor seen is kept
-    alive until the load ends, so a freed one's storage address is never taken for another's."""
+def _landing(torch: types.ModuleType, load_weights: Callable[[Any], Any], parameters: set[int], landed: set[str],
+             read: list[str]) -> Callable[[Any], Any]:
+    """`load_weights` with each checkpoint name followed through every tensor computed from it (a narrow, a chunk,
+    a cast, a copy into a buffer, `.item()`) to a write into one of the model's parameters (`parameters`: their
+    storages): what the loader landed. Every tensor seen is kept alive until the load ends, so a freed one's
+    storage address is never taken for another's."""
     from torch.overrides import TorchFunctionMode
 
     origin: dict[int, frozenset[str]] = {}
     alive: list[Any] = []
+    taken: list[frozenset[str]] = [frozenset()]  # what the last `.item()` of a tracked tensor read
 
     def key(tensor: Any) -> int:
         return int(tensor.untyped_storage().data_ptr())
+
+    def tracked(tensors: Any) -> frozenset[str]:
+        return frozenset().union(*(origin.get(key(t), frozenset()) for t in _tensors(tensors, torch)
+                                   if t.device.type != "meta"))
 
     class Landing(TorchFunctionMode):
         def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
@@ -253,23 +261,37 @@ def _landing(torch: types.ModuleType, weights: Any, landed: set[str], read: list
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             name = getattr(func, "__name__", "")
-            inputs = list(_tensors(args[1:] if name in WRITES else (args, kwargs), torch))
-            sources = frozenset().union(*(origin.get(key(t), frozenset()) for t in inputs if t.device.type != "meta"))
-            if sources:
-                if name in WRITES:
+            if name in WRITES and args:
+                sources = tracked(args[1:])
+                if name == "fill_":  # default_weight_loader's one-element form: fill_(loaded.item())
+                    sources, taken[0] = taken[0], frozenset()
+                if sources and key(args[0]) in parameters:
                     landed.update(sources)
-                else:
-                    for tensor in _tensors(out, torch):
-                        origin[key(tensor)] = origin.get(key(tensor), frozenset()) | sources
-                        alive.append(tensor)
+                elif sources:  # into a buffer: the buffer carries them on
+                    origin[key(args[0])] = origin.get(key(args[0]), frozenset()) | sources
+                    alive.append(args[0])
+                return out
+            sources = tracked((args, kwargs))
+            if sources and name == "item":
+                taken[0] = sources
+            elif sources:
+                for tensor in _tensors(out, torch):
+                    origin[key(tensor)] = origin.get(key(tensor), frozenset()) | sources
+                    alive.append(tensor)
             return out
 
-    with Landing():
+    def names(weights: Any) -> Iterator[tuple[str, Any]]:
         for name, tensor in weights:
             read.append(name)
             origin[key(tensor)] = origin.get(key(tensor), frozenset()) | {name}
             alive.append(tensor)
             yield name, tensor
+
+    def load(weights: Any) -> Any:
+        with Landing():  # around the call: a loader that raises leaves no mode behind
+            return load_weights(names(weights))
+
+    return load
 
 
 def _load_check(vllm_loader: types.ModuleType) -> None:
@@ -293,8 +315,8 @@ def _load_check(vllm_loader: types.ModuleType) -> None:
             for parameter in model.parameters():
                 if parameter.is_floating_point():
                     parameter.fill_(float("nan"))
-        load_weights = model.load_weights
-        model.load_weights = lambda weights: load_weights(_landing(torch, weights, landed, read))
+        parameters = {int(p.untyped_storage().data_ptr()) for p in model.parameters()}
+        model.load_weights = _landing(torch, model.load_weights, parameters, landed, read)
         return model
 
     def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -302,8 +324,11 @@ def _load_check(vllm_loader: types.ModuleType) -> None:
         floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
         names = [name for name, _ in floating]
         unwritten = [name for name, p in floating if p.isnan().any()]
+        # a tied LM head is the embedding: vLLM's loaders skip a checkpoint's lm_head.* then
+        tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        skips = (*DOCUMENTED_SKIPS, *(("lm_head.",) if tied else ()))
         skipped = [name for name in read if name not in landed
-                   and (name.startswith(DOCUMENTED_SKIPS) or any(part in name for part in DOCUMENTED_SKIP_PARTS))]
+                   and (name.startswith(skips) or any(part in name for part in DOCUMENTED_SKIP_PARTS))]
         unused = [name for name in read if name not in landed and name not in skipped]
         standins.RECORD["load"] = {"parameters": len(names), "unwritten": unwritten, "tensors": len(read),
                                    "skipped": skipped, "unused": unused}

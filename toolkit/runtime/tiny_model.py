@@ -14,15 +14,22 @@ Two families:
   the recipe's key-to-value head ratio, 8 experts (top 2) and a shared expert. The image's transformers has no
   model class for it (the adapter adds config classes only), so the tensors are written here under the published
   checkpoint's names (`model.language_model.*`, fused experts, the shared expert, and the vision and MTP tensors
-  the adapter's loader skips: HYBRID_TENSORS). The linear-attention projections carry Qwen3-Next's names
-  (in_proj_qkvz, in_proj_ba, grouped per key head): not checked against a Qwen3.6 checkpoint index, which is not
-  in this repository.
+  the adapter's loader skips: `hybrid_tensors`). The linear-attention projections are Qwen3.5's (in_proj_qkv: all
+  q, all k, all v; in_proj_z, in_proj_b, in_proj_a), as upstream vLLM's qwen3_5.py loader names them; no Qwen3.6
+  checkpoint index is in this repository to check the whole list against.
+
+With a model config folder (the served checkpoint's config.json and model.safetensors.index.json), the head ratios
+and layer pattern are the real config's and the tensor names the index's, exactly (those of the layers and experts
+the tiny model has), each shaped as the published name it matches: a loader that skips one of them silently is
+caught by the load check. A name matching no published tensor is written as a vector and listed, so a loader that
+takes it stops with a shape error naming it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,10 +47,15 @@ VOCAB = 384
 SEED = 0
 
 
-def tiny_spec(model: Any, tp: int) -> dict[str, Any]:
-    """The tiny model's spec from the recipe's `model:` (a ModelShape) at tensor-parallel size `tp`."""
+def tiny_spec(model: Any, tp: int, model_config: Path | None = None) -> dict[str, Any]:
+    """The tiny model's spec from the recipe's `model:` (a ModelShape) at tensor-parallel size `tp`; with
+    `model_config`, a folder holding the served model's real config.json (and, when present, its
+    model.safetensors.index.json), the shape ratios and layer pattern are the real config's and the tensor names
+    the index's, exactly (see `real_names`)."""
     from toolkit.errors import ToolkitError
 
+    if model_config is not None:
+        model = _with_real_config(model, model_config)
     if model.architecture is None or model.model_type is None:
         raise ToolkitError("a tiny model needs the served model's architecture and model_type",
                            hint="set model.architecture and model.model_type in the recipe")
@@ -70,7 +82,62 @@ def tiny_spec(model: Any, tp: int) -> dict[str, Any]:
             "linear_num_key_heads": tp, "linear_num_value_heads": tp * linear.num_value_heads // linear.num_key_heads,
             "linear_key_head_dim": 32, "linear_value_head_dim": 64, "linear_conv_kernel_dim": linear.conv_kernel,
             "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32}
+            "shared_expert_intermediate_size": 32,
+            **({"tensor_names": real_names(model_config)} if model_config and _index(model_config).is_file() else {})}
+
+
+def _index(folder: Path) -> Path:
+    return folder / "model.safetensors.index.json"
+
+
+def _read_json(path: Path) -> Any:
+    from toolkit.errors import ToolkitError
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ToolkitError(f"{path} does not exist", hint="--model-config names the folder of the served "
+                           "checkpoint's config.json (and its model.safetensors.index.json)") from None
+    except (OSError, ValueError) as exc:
+        raise ToolkitError(f"{path} is not readable JSON: {exc}") from None
+
+
+def _with_real_config(model: Any, folder: Path) -> Any:
+    """The recipe's model shape with the real config.json's architecture, heads, head size, layer pattern and
+    linear-attention heads; a config of another architecture than the recipe's is refused."""
+    from toolkit.errors import ToolkitError
+
+    path = folder / "config.json"
+    config = _read_json(path)
+    architecture = (config.get("architectures") or [None])[0]
+    if (architecture, config.get("model_type")) != (model.architecture, model.model_type):
+        raise ToolkitError(f"{path} declares {architecture} ({config.get('model_type')}), the recipe serves "
+                           f"{model.architecture} ({model.model_type})",
+                           hint="point --model-config at the served checkpoint, or fix model: in the recipe")
+    text = config.get("text_config", config)
+    update: dict[str, Any] = {"text_config": "text_config" in config}
+    for field, key in (("num_attention_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
+                       ("head_dim", "head_dim"), ("full_attention_interval", "full_attention_interval")):
+        if key in text:
+            update[field] = text[key]
+    if model.linear_attention is not None and "linear_num_key_heads" in text:
+        update["linear_attention"] = model.linear_attention.model_copy(update={
+            "num_key_heads": text["linear_num_key_heads"], "num_value_heads": text["linear_num_value_heads"],
+            "conv_kernel": text.get("linear_conv_kernel_dim", model.linear_attention.conv_kernel)})
+    return model.model_copy(update=update)
+
+
+def real_names(folder: Path) -> list[str]:
+    """The index's tensor names the tiny model keeps: every name outside the text layers and experts, and those of
+    the text layers and experts the tiny model has (layer < HYBRID_LAYERS, expert < 8), spelled exactly."""
+    names = _read_json(_index(folder)).get("weight_map", {})
+    kept = []
+    for name in sorted(names):
+        layer = re.search(r"^model\.language_model\.layers\.(\d+)\.", name)
+        expert = re.search(r"\.mlp\.experts\.(\d+)\.", name)
+        if (layer is None or int(layer[1]) < HYBRID_LAYERS) and (expert is None or int(expert[1]) < 8):
+            kept.append(name)
+    return kept
 
 
 def build(spec: dict[str, Any], python: Path, cache: Path) -> Path:
@@ -171,8 +238,10 @@ def hybrid_tensors(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                       f"{layer}.self_attn.q_norm.weight": (head_dim,), f"{layer}.self_attn.k_norm.weight": (head_dim,)}
         else:
             conv = hk * 2 * dk + hv * dv
-            names |= {f"{layer}.linear_attn.in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, hidden),
-                      f"{layer}.linear_attn.in_proj_ba.weight": (2 * hv, hidden),
+            names |= {f"{layer}.linear_attn.in_proj_qkv.weight": (conv, hidden),
+                      f"{layer}.linear_attn.in_proj_z.weight": (hv * dv, hidden),
+                      f"{layer}.linear_attn.in_proj_b.weight": (hv, hidden),
+                      f"{layer}.linear_attn.in_proj_a.weight": (hv, hidden),
                       f"{layer}.linear_attn.conv1d.weight": (conv, 1, kernel),
                       f"{layer}.linear_attn.A_log": (hv,), f"{layer}.linear_attn.dt_bias": (hv,),
                       f"{layer}.linear_attn.norm.weight": (dv,),
@@ -184,13 +253,40 @@ def hybrid_tensors(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return names
 
 
+def _shapes(spec: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """Each tensor's shape: the published names', or with `tensor_names` (a real index) those names exactly, each
+    shaped as the published name it matches (per-expert tensors as one expert's slice); a name matching none is
+    written as a vector of the hidden size and listed, so a loader that takes it shows a shape error and one that
+    skips it shows in the load check."""
+    published = hybrid_tensors(spec)
+    if "tensor_names" not in spec:
+        return published, []
+    inter = spec["moe_intermediate_size"]
+    shapes, unknown = {}, []
+    for name in spec["tensor_names"]:
+        expert = re.sub(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", r".mlp.experts.\1", name)
+        if name in published:
+            shapes[name] = published[name]
+        elif expert != name:
+            hidden = spec["hidden_size"]
+            shapes[name] = (hidden, inter) if expert.endswith("down") else (inter, hidden)
+        else:
+            shapes[name] = (spec["hidden_size"],)
+            unknown.append(name)
+    return shapes, unknown
+
+
 def _hybrid_weights(spec: dict[str, Any], out: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(spec["seed"])
     tensors = {}
-    for name, shape in hybrid_tensors(spec).items():
+    shapes, unknown = _shapes(spec)
+    if unknown:
+        print(f"[tiny-model] {len(unknown)} name(s) of the index match no published tensor, written as vectors: "
+              f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}", file=sys.stderr)
+    for name, shape in shapes.items():
         value = torch.randn(shape, generator=gen)
         if name.endswith("linear_attn.norm.weight"):  # the gated norm multiplies by its weight
             value = 1 + 0.1 * value
