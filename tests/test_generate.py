@@ -134,11 +134,13 @@ def test_generation_matches_the_recompute_at_tp1(tp1: dict[str, Any]) -> None:
     assert 0 < blocks * size < 0.9 * 0.5 * 2**30 and blocks > BASE["blocks"]
 
 
-def test_prefix_cache_off_and_tp2_give_the_same_tokens(served: dict[str, Any], tp1: dict[str, Any]) -> None:
-    off = run(served, "off", prefix_caching=False)
+def same_tokens_cache_off_and_at_tp2(served: dict[str, Any], tp1: dict[str, Any], **settings: Any) -> None:
+    """The TP 1 run's tokens again with the prefix cache off, and at TP 2 with the second rank in its own process
+    (the ixformer all-reduce computed on both ranks, over gloo)."""
+    off = run(served, "off", prefix_caching=False, **settings)
     assert off["code"] == 0, off["stderr"][-4000:]
     assert not differences(tp1["outputs"], off["outputs"])
-    tp2 = run(served, "tp2", tp=2)
+    tp2 = run(served, "tp2", tp=2, **settings)
     assert tp2["code"] == 0, tp2["stderr"][-4000:]
     assert not differences(tp1["outputs"], tp2["outputs"])
     workers = [p for p in tp2["record"]["processes"] if p.get("computed")]
@@ -146,6 +148,19 @@ def test_prefix_cache_off_and_tp2_give_the_same_tokens(served: dict[str, Any], t
     for rank in (tp2["record"], workers[0]):
         assert rank["computed"]["ixformer.distributed.all_reduce"] > 0
         assert rank["shims"] and "gloo-for-nccl" in rank["shims"]
+
+
+def rewritten_checkpoint(served: dict[str, Any], folder: Path, edit: str) -> Path:
+    """A copy of the tiny checkpoint with its tensors edited by `edit` (Python, on the dict `tensors`)."""
+    shutil.copytree(served["model"], folder)
+    code = ("from safetensors.torch import load_file, save_file\nimport sys\ntensors = load_file(sys.argv[1])\n"
+            f"{edit}\nsave_file(tensors, sys.argv[1], metadata={{'format': 'pt'}})\n")
+    subprocess.run([str(served["python"]), "-c", code, str(folder / "model.safetensors")], check=True)
+    return folder
+
+
+def test_prefix_cache_off_and_tp2_give_the_same_tokens(served: dict[str, Any], tp1: dict[str, Any]) -> None:
+    same_tokens_cache_off_and_at_tp2(served, tp1)
 
 
 @pytest.mark.parametrize("mutant", ["transposed-kv-layout", "causal-mask-off-by-one", "head-mapping-ignored"])
@@ -172,12 +187,7 @@ def test_each_shim_is_needed(served: dict[str, Any], shim: str) -> None:
 def test_a_parameter_the_checkpoint_does_not_write_fails_the_start(served: dict[str, Any], tmp_path: Path) -> None:
     # vLLM's Qwen2 loader refuses a name it does not know but says nothing of a tensor that is not there: the
     # parameter keeps its initial value (the adapter's loader skips unknown names too, ADAPTER.md 4b)
-    dropped = tmp_path / "dropped"
-    shutil.copytree(served["model"], dropped)
-    drop = ("from safetensors.torch import load_file, save_file\nimport sys\n"
-            "tensors = load_file(sys.argv[1])\ndel tensors['model.layers.1.mlp.down_proj.weight']\n"
-            "save_file(tensors, sys.argv[1], metadata={'format': 'pt'})\n")
-    subprocess.run([str(served["python"]), "-c", drop, str(dropped / "model.safetensors")], check=True)
+    dropped = rewritten_checkpoint(served, tmp_path / "dropped", "del tensors['model.layers.1.mlp.down_proj.weight']")
     result = run(served, "dropped", model=str(dropped))
     assert result["code"] != 0
     assert "UnwrittenParameters: 1 of 31 parameters of Qwen2ForCausalLM" in result["stderr"], result["stderr"][-3000:]

@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import FLAGSHIP, REPO, roots_of, transformers_site
-from test_generate import ALL_REFERENCES, differences, mismatches, run
+from test_generate import ALL_REFERENCES, mismatches, rewritten_checkpoint, run, same_tokens_cache_off_and_at_tp2
 
 from toolkit.cli import main
 from toolkit.errors import ToolkitError
@@ -85,32 +84,14 @@ def test_flagship_generation_matches_the_recompute_at_tp1(tp1: dict[str, Any]) -
 
 def test_flagship_prefix_cache_off_and_tp2_give_the_same_tokens(flagship: dict[str, Any],
                                                                tp1: dict[str, Any]) -> None:
-    off = run(flagship, "off", prefix_caching=False, reference=False)
-    assert off["code"] == 0, off["stderr"][-4000:]
-    assert not differences(tp1["outputs"], off["outputs"])
-    tp2 = run(flagship, "tp2", tp=2, reference=False)
-    assert tp2["code"] == 0, tp2["stderr"][-4000:]
-    assert not differences(tp1["outputs"], tp2["outputs"])
-    workers = [p for p in tp2["record"]["processes"] if p.get("computed")]
-    assert len(workers) == 1, "the second rank computed in its own process"
-    for rank in (tp2["record"], workers[0]):
-        assert rank["computed"]["ixformer.distributed.all_reduce"] > 0
-
-
-def _rewritten(flagship: dict[str, Any], folder: Path, edit: str) -> Path:
-    """A copy of the tiny checkpoint with its tensors edited by `edit` (Python, on the dict `tensors`)."""
-    shutil.copytree(flagship["model"], folder)
-    code = ("from safetensors.torch import load_file, save_file\nimport sys\ntensors = load_file(sys.argv[1])\n"
-            f"{edit}\nsave_file(tensors, sys.argv[1], metadata={{'format': 'pt'}})\n")
-    subprocess.run([str(flagship["python"]), "-c", code, str(folder / "model.safetensors")], check=True)
-    return folder
+    same_tokens_cache_off_and_at_tp2(flagship, tp1, reference=False)
 
 
 def test_a_tensor_name_the_adapters_loader_skips_fails_the_start(flagship: dict[str, Any], tmp_path: Path) -> None:
     # the shared expert's gate under another name: the adapter's loader skips it silently, the parameter stays NaN
     name = "model.language_model.layers.1.mlp.shared_expert_gate.weight"
     wrong = name.replace("shared_expert_gate", "shared_expert_gating")
-    renamed = _rewritten(flagship, tmp_path / "renamed", f"tensors['{wrong}'] = tensors.pop('{name}')")
+    renamed = rewritten_checkpoint(flagship, tmp_path / "renamed", f"tensors['{wrong}'] = tensors.pop('{name}')")
     result = run(flagship, "renamed", model=str(renamed), reference=False)
     assert result["code"] != 0
     assert "UnwrittenParameters: 1 of " in result["stderr"], result["stderr"][-3000:]
