@@ -55,14 +55,20 @@ def served(tmp_path_factory: pytest.TempPathFactory, corex_template: Path) -> di
     rootfs = work / "rootfs"
     shutil.copytree(corex_template, rootfs, symlinks=True)
     assert main(["apply", str(RECIPE), "--rootfs", str(rootfs)]) == 0
-    recipe = load_recipe(RECIPE).recipe
+    return cpu_served(work, RECIPE, [roots_of(rootfs)[1]])
+
+
+def cpu_served(work: Path, recipe_path: Path, paths: list[Path]) -> dict[str, Any]:
+    """The recipe's tiny checkpoint (built once, cached by content) and the environment of the runs: the recipe's
+    env, the patched `paths` first, the vendor's GPU path on CPU tensors against an emulated 0.5 GB card (the tiny
+    model's KV fits many times)."""
+    recipe = load_recipe(recipe_path).recipe
     python = runtime()
     model = tiny_model.build(tiny_model.tiny_spec(recipe.model, 2), python, cache_dir() / "tiny-models")
-    devices = dict(emulated_devices(recipe), memory_gb=0.5)  # a small card: the tiny model's KV fits many times
+    devices = dict(emulated_devices(recipe), memory_gb=0.5)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOOLKIT_")}, **recipe.env,
-           **standins.environment(work / "standins", recipe.base_image.gpu_library_names,
-                                  [roots_of(rootfs)[1], REPO / "tests"], recipe.base_image.absent_modules, devices,
-                                  cpu_device=True)}
+           **standins.environment(work / "standins", recipe.base_image.gpu_library_names, [*paths, REPO / "tests"],
+                                  recipe.base_image.absent_modules, devices, cpu_device=True)}
     return {"work": work, "python": python, "model": model, "env": env}
 
 

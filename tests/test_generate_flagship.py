@@ -13,22 +13,25 @@ no class for this model, so there is no transformers reference here.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FLAGSHIP, REPO, roots_of, transformers_site
-from test_generate import ALL_REFERENCES, mismatches, rewritten_checkpoint, run, same_tokens_cache_off_and_at_tp2
+from conftest import FLAGSHIP, roots_of, transformers_site
+from test_generate import (
+    ALL_REFERENCES,
+    cpu_served,
+    mismatches,
+    rewritten_checkpoint,
+    run,
+    same_tokens_cache_off_and_at_tp2,
+)
 
 from toolkit.cli import main
 from toolkit.errors import ToolkitError
-from toolkit.inputs import cache_dir
 from toolkit.recipe import load_recipe
-from toolkit.runtime import cpu_device, standins, tiny_model
-from toolkit.runtime.env import runtime
-from toolkit.runtime.preflight import emulated_devices
+from toolkit.runtime import cpu_device, tiny_model
 
 # the vendor's ops on the flagship's path: linear, rotary, the KV write and the decode attention (its norms and
 # activations are the adapter's torch code); not ixformer's flash prefill op, which is wrong at head size 256: the
@@ -49,15 +52,7 @@ def flagship(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, ada
     site = transformers_site(rootfs, transformers_455, full=True)
     assert main(["apply", str(FLAGSHIP), "--rootfs", str(rootfs), *adapter_args,
                  "--package-root", f"transformers={site}"]) == 0
-    recipe = load_recipe(FLAGSHIP).recipe
-    python = runtime()
-    model = tiny_model.build(tiny_model.tiny_spec(recipe.model, 2), python, cache_dir() / "tiny-models")
-    devices = dict(emulated_devices(recipe), memory_gb=0.5)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TOOLKIT_")}, **recipe.env,
-           **standins.environment(work / "standins", recipe.base_image.gpu_library_names,
-                                  [site, roots_of(rootfs)[1], REPO / "tests"], recipe.base_image.absent_modules,
-                                  devices, cpu_device=True)}
-    return {"work": work, "python": python, "model": model, "env": env}
+    return cpu_served(work, FLAGSHIP, [site, roots_of(rootfs)[1]])
 
 
 @pytest.fixture(scope="module")

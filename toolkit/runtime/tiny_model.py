@@ -43,6 +43,7 @@ CHAT_TEMPLATE = (
 LAYERS = 4
 HYBRID_LAYERS = 8
 HYBRID_HIDDEN = 64
+HYBRID_EXPERTS = 8
 VOCAB = 384
 SEED = 0
 
@@ -50,8 +51,9 @@ SEED = 0
 def tiny_spec(model: Any, tp: int, model_config: Path | None = None) -> dict[str, Any]:
     """The tiny model's spec from the recipe's `model:` (a ModelShape) at tensor-parallel size `tp`; with
     `model_config`, a folder holding the served model's real config.json (and, when present, its
-    model.safetensors.index.json), the shape ratios and layer pattern are the real config's and the tensor names
-    the index's, exactly (see `real_names`)."""
+    model.safetensors.index.json), the shape ratios and layer pattern are the real config's and, for the composite
+    hybrid config, the tensor names the index's, exactly (see `real_names`; a single config's names are the ones
+    transformers writes)."""
     from toolkit.errors import ToolkitError
 
     if model_config is not None:
@@ -81,7 +83,7 @@ def tiny_spec(model: Any, tp: int, model_config: Path | None = None) -> dict[str
             "full_attention_interval": model.full_attention_interval,
             "linear_num_key_heads": tp, "linear_num_value_heads": tp * linear.num_value_heads // linear.num_key_heads,
             "linear_key_head_dim": 32, "linear_value_head_dim": 64, "linear_conv_kernel_dim": linear.conv_kernel,
-            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "num_experts": HYBRID_EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 32,
             **({"tensor_names": real_names(model_config)} if model_config and _index(model_config).is_file() else {})}
 
@@ -96,7 +98,7 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ToolkitError(f"{path} does not exist", hint="--model-config names the folder of the served "
+        raise ToolkitError(f"{path} does not exist", hint="the model config folder holds the served "
                            "checkpoint's config.json (and its model.safetensors.index.json)") from None
     except (OSError, ValueError) as exc:
         raise ToolkitError(f"{path} is not readable JSON: {exc}") from None
@@ -113,7 +115,7 @@ def _with_real_config(model: Any, folder: Path) -> Any:
     if (architecture, config.get("model_type")) != (model.architecture, model.model_type):
         raise ToolkitError(f"{path} declares {architecture} ({config.get('model_type')}), the recipe serves "
                            f"{model.architecture} ({model.model_type})",
-                           hint="point --model-config at the served checkpoint, or fix model: in the recipe")
+                           hint="give the served checkpoint's config folder, or fix model: in the recipe")
     text = config.get("text_config", config)
     update: dict[str, Any] = {"text_config": "text_config" in config}
     for field, key in (("num_attention_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
@@ -129,13 +131,14 @@ def _with_real_config(model: Any, folder: Path) -> Any:
 
 def real_names(folder: Path) -> list[str]:
     """The index's tensor names the tiny model keeps: every name outside the text layers and experts, and those of
-    the text layers and experts the tiny model has (layer < HYBRID_LAYERS, expert < 8), spelled exactly."""
+    the text layers and experts the tiny model has (layer < HYBRID_LAYERS, expert < HYBRID_EXPERTS), spelled
+    exactly."""
     names = _read_json(_index(folder)).get("weight_map", {})
     kept = []
     for name in sorted(names):
         layer = re.search(r"^model\.language_model\.layers\.(\d+)\.", name)
         expert = re.search(r"\.mlp\.experts\.(\d+)\.", name)
-        if (layer is None or int(layer[1]) < HYBRID_LAYERS) and (expert is None or int(expert[1]) < 8):
+        if (layer is None or int(layer[1]) < HYBRID_LAYERS) and (expert is None or int(expert[1]) < HYBRID_EXPERTS):
             kept.append(name)
     return kept
 
