@@ -13,6 +13,9 @@ argv: one JSON object:
   in this process's peak), and (unless `reference` is false: the image's transformers has no class for the
   model) transformers' own forward of the checkpoint gives the same prompts' next tokens;
 - mutant: a CPU reference made wrong on purpose (MUTANTS), replaced in the registry before the engine starts;
+- runs (optional): {name: settings}: each a run of the settings above over these, one after another in this
+  process (starting the engine is most of a run: importing vLLM, the vendor's model inspection in a child Python);
+  then the RESULT is {name: result}.
 """
 
 import json
@@ -107,11 +110,28 @@ def _send(engine, name, prompt, max_tokens):
 
 
 def main():
-    run = json.loads(sys.argv[1])
-    if run.get("mutant"):
-        registry, mutants = _mutants()
-        name, function = mutants[run["mutant"]]
-        registry[name] = function
+    request = json.loads(sys.argv[1])
+    runs = request.pop("runs", None)
+    if runs is None:
+        result = generate(request)
+    else:
+        result = {name: generate({**request, **settings}) for name, settings in runs.items()}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def generate(run):
+    if not run.get("mutant"):
+        return _generate(run)
+    registry, mutants = _mutants()
+    name, function = mutants[run["mutant"]]
+    kept, registry[name] = registry[name], function
+    try:
+        return _generate(run)
+    finally:
+        registry[name] = kept
+
+
+def _generate(run):
     outputs, oracle, reference = {}, {}, {}
     engine = _engine(run, run["prefix_caching"], run["budget"])  # sized by the vendor's profile run
     cache = {"num_gpu_blocks": engine.cache_config.num_gpu_blocks,
@@ -140,8 +160,8 @@ def main():
                 _drain(engine, oracle)
         if run.get("reference", True):  # a model transformers has a class for
             reference = _transformers(run, recompute)
-    print("RESULT " + json.dumps({"outputs": outputs, "oracle": oracle, "reference": reference,
-                                  "prefix_hit_rate": hit_rate, "cache": cache}), flush=True)
+    return {"outputs": outputs, "oracle": oracle, "reference": reference, "prefix_hit_rate": hit_rate,
+            "cache": cache}
 
 
 if __name__ == "__main__":

@@ -73,7 +73,9 @@ def cpu_served(work: Path, recipe_path: Path, paths: list[Path]) -> dict[str, An
 
 
 def run(served: dict[str, Any], name: str, **settings: Any) -> dict[str, Any]:
-    """One harness run: its JSON, the stand-ins' record (every process), or the failure's stderr."""
+    """One harness run: its JSON, the stand-ins' record (every process), or the failure's stderr. With
+    `runs={name: settings}`, those runs one after another in one process: each name's result, beside `code`,
+    `stderr` and the process's `record`."""
     record = served["work"] / f"record-{name}" / "standins.json"
     record.parent.mkdir()
     env = dict(served["env"], TOOLKIT_GPU_STANDINS_RECORD=str(record))
@@ -117,11 +119,17 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return found
 
 
+def tp1_and_off(served: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    """The TP 1 run with its recompute oracle, then the same prompts with the prefix cache off, in one process:
+    the TP 1 result, with the other's under `off`."""
+    result = run(served, "tp1", runs={"tp1": {"oracle": True}, "off": {"prefix_caching": False}}, **settings)
+    assert result["code"] == 0, result["stderr"][-4000:]
+    return {**result.pop("tp1"), **result}
+
+
 @pytest.fixture(scope="module")
 def tp1(served: dict[str, Any]) -> dict[str, Any]:
-    result = run(served, "tp1", oracle=True)
-    assert result["code"] == 0, result["stderr"][-4000:]
-    return result
+    return tp1_and_off(served)
 
 
 def test_generation_matches_the_recompute_at_tp1(tp1: dict[str, Any]) -> None:
@@ -141,11 +149,10 @@ def test_generation_matches_the_recompute_at_tp1(tp1: dict[str, Any]) -> None:
 
 
 def same_tokens_cache_off_and_at_tp2(served: dict[str, Any], tp1: dict[str, Any], **settings: Any) -> None:
-    """The TP 1 run's tokens again with the prefix cache off, and at TP 2 with the second rank in its own process
-    (the ixformer all-reduce computed on both ranks, over gloo)."""
-    off = run(served, "off", prefix_caching=False, **settings)
-    assert off["code"] == 0, off["stderr"][-4000:]
-    assert not differences(tp1["outputs"], off["outputs"])
+    """The TP 1 run's tokens again with the prefix cache off (run beside it), and at TP 2 with the second rank in
+    its own process (the ixformer all-reduce computed on both ranks, over gloo)."""
+    assert tp1["off"]["prefix_hit_rate"] is None and tp1["off"]["outputs"]
+    assert not differences(tp1["outputs"], tp1["off"]["outputs"])
     tp2 = run(served, "tp2", tp=2, **settings)
     assert tp2["code"] == 0, tp2["stderr"][-4000:]
     assert not differences(tp1["outputs"], tp2["outputs"])
@@ -169,11 +176,22 @@ def test_prefix_cache_off_and_tp2_give_the_same_tokens(served: dict[str, Any], t
     same_tokens_cache_off_and_at_tp2(served, tp1)
 
 
-@pytest.mark.parametrize("mutant", ["transposed-kv-layout", "causal-mask-off-by-one", "head-mapping-ignored"])
-def test_a_wrong_reference_fails_the_generation_check(served: dict[str, Any], mutant: str) -> None:
-    result = run(served, mutant, mutant=mutant, prefix_caching=False, oracle=True)
+MUTANTS = ("transposed-kv-layout", "causal-mask-off-by-one", "head-mapping-ignored")
+
+
+@pytest.fixture(scope="module")
+def mutants(served: dict[str, Any]) -> dict[str, Any]:
+    """Each wrong reference's run with its oracle, one after another in one process (the right reference put back
+    between them)."""
+    result = run(served, "mutants", prefix_caching=False, oracle=True,
+                 runs={mutant: {"mutant": mutant} for mutant in MUTANTS})
     assert result["code"] == 0, result["stderr"][-4000:]
-    assert mismatches(result["outputs"], result["oracle"])
+    return result
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_a_wrong_reference_fails_the_generation_check(mutants: dict[str, Any], mutant: str) -> None:
+    assert mismatches(mutants[mutant]["outputs"], mutants[mutant]["oracle"])
 
 
 # what the vendor's start meets without each shim (CPU torch's own errors)

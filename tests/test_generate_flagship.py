@@ -26,6 +26,7 @@ from test_generate import (
     rewritten_checkpoint,
     run,
     same_tokens_cache_off_and_at_tp2,
+    tp1_and_off,
 )
 
 from toolkit.cli import main
@@ -57,9 +58,7 @@ def flagship(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, ada
 
 @pytest.fixture(scope="module")
 def tp1(flagship: dict[str, Any]) -> dict[str, Any]:
-    result = run(flagship, "tp1", oracle=True, reference=False)
-    assert result["code"] == 0, result["stderr"][-4000:]
-    return result
+    return tp1_and_off(flagship, reference=False)
 
 
 def test_flagship_generation_matches_the_recompute_at_tp1(tp1: dict[str, Any]) -> None:
