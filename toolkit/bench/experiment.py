@@ -30,7 +30,7 @@ from toolkit.variants import Variant
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
-def _set_flag(argv: list[str], flag: str, value: str) -> list[str]:
+def set_flag(argv: list[str], flag: str, value: str) -> list[str]:
     out = list(argv)
     if flag in out:
         index = out.index(flag)
@@ -72,9 +72,9 @@ def server_command(run_config: str, python: Path | str, model: Path, port: int) 
     if argv[:2] != ["python3", "-m"]:
         raise ToolkitError(f"the run config's command does not start with `python3 -m`: {argv[:3]}")
     argv = [str(python), *argv[1:]]
-    argv = _set_flag(argv, "--model", str(model))
-    argv = _set_flag(argv, "--host", "127.0.0.1")  # never listen beyond this machine
-    argv = _set_flag(argv, "--port", str(port))
+    argv = set_flag(argv, "--model", str(model))
+    argv = set_flag(argv, "--host", "127.0.0.1")  # never listen beyond this machine
+    argv = set_flag(argv, "--port", str(port))
     env = {item["name"]: str(item["value"]) for item in config.get("env") or []}
     return argv, env
 

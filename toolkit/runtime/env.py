@@ -3,6 +3,7 @@ pure-Python dependencies `import vllm` needs, pinned; vLLM itself comes from the
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +16,13 @@ NAME = "vllm063"
 # (compressed-tensors newer than 0.6 needs a newer transformers; numpy 2 breaks vLLM 0.6.3)
 REQUIREMENTS = ("transformers==4.55.3", "numpy<2.0.0", "compressed-tensors==0.6.0", "gguf==0.10.0", "psutil",
                 "msgspec", "pydantic", "sentencepiece", "cloudpickle", "mistral_common", "py-cpuinfo", "aiohttp",
-                "openai", "pyzmq", "partial-json-parser", "prometheus_client")
+                "openai", "pyzmq", "partial-json-parser", "prometheus_client",
+                # the OpenAI server the platform starts (found by starting it), and outlines (vLLM's own pin): vLLM
+                # 0.6.3 gives every chat request guided-decoding parameters, so each one imports outlines and lark
+                "fastapi", "uvicorn", "uvloop", "prometheus-fastapi-instrumentator", "outlines>=0.0.43,<0.1",
+                # outlines pulls datasets, and with it pyarrow: newer ones need numpy 2
+                "pyarrow<18",
+                "pyairports")  # outlines.types imports it and does not declare it
 # must never be in it: each changes the code paths vLLM takes on a CPU
 ABSENT = ("intel_extension_for_pytorch", "triton", "xformers", "vllm")
 
@@ -26,14 +33,32 @@ PINS = (TORCH, *REQUIREMENTS, *(f"absent {m}" for m in ABSENT))
 def _fill(python: Path, scratch: Path, say: Callable[[str], None]) -> None:
     say(f"installing {TORCH} (the local CPU build)")
     pip(python, "install", "--quiet", TORCH)
-    say(f"installing the {len(REQUIREMENTS)} pure-Python packages `import vllm` needs: {', '.join(REQUIREMENTS)}")
+    say(f"installing the {len(REQUIREMENTS)} pure-Python packages vLLM 0.6.3 and its OpenAI server need: "
+        f"{', '.join(REQUIREMENTS)}")
     pip(python, "install", "--quiet", *REQUIREMENTS)
     pip(python, "uninstall", "--quiet", "-y", *ABSENT)
+    _airports(python, say)
+
+
+def _airports(python: Path, say: Callable[[str], None]) -> None:
+    """outlines.types imports pyairports.airports.AIRPORT_LIST when outlines is imported (by every chat request);
+    the only pyairports a package index may hold (0.0.1) is an empty placeholder, so the module is written here,
+    with no airports: guided decoding by airport code is the one thing that would differ."""
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    package = site / "pyairports"
+    if (package / "airports.py").exists():
+        return
+    say(f"pyairports has no airports module (an empty placeholder): writing one with no airports in {package}")
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").touch()
+    (package / "airports.py").write_text("AIRPORT_LIST: list = []  # written by toolkit: the index's pyairports is "
+                                         "an empty placeholder\n")
 
 
 def runtime() -> Path:
-    """The runtime's Python, built on first use (about a minute, about 1.3 GB)."""
-    return venv(KIND, NAME, _fill, "about a minute, about 1.3 GB", PINS)
+    """The runtime's Python, built on first use (about a minute, about 1.8 GB)."""
+    return venv(KIND, NAME, _fill, "about a minute, about 1.8 GB", PINS)
 
 
 def built() -> Path | None:
