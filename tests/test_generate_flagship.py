@@ -53,7 +53,7 @@ def flagship(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, ada
     site = transformers_site(rootfs, transformers_455, full=True)
     assert main(["apply", str(FLAGSHIP), "--rootfs", str(rootfs), *adapter_args,
                  "--package-root", f"transformers={site}"]) == 0
-    return cpu_served(work, FLAGSHIP, [site, roots_of(rootfs)[1]])
+    return {**cpu_served(work, FLAGSHIP, [site, roots_of(rootfs)[1]]), "rootfs": rootfs}
 
 
 @pytest.fixture(scope="module")

@@ -1,44 +1,29 @@
 """The flagship's server as the platform starts it, on a CPU (`pytest -k served_api`): the run config's own argv
-and env (toolkit/runtime/rehearse.py: only the recorded substitutions), vLLM 0.6.3's OpenAI server over the
+and env (toolkit/bench/rehearse.py: only the recorded substitutions), vLLM 0.6.3's OpenAI server over the
 CoreX-like tree patched by the flagship with the stand-in adapter, its engine process, a second TP rank, the vendor's
 GPU path on CPU tensors and the tiny checkpoint; a streamed chat request through the toolkit's bench client.
 
-The start of `toolkit rehearse`: that its checks (the official requests, the parsers, the prefix cache) run on top.
+The start of `toolkit rehearse` (issue 31): its checks (the official requests, the parsers, the prefix cache) are
+to run on top of this.
 """
 
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
-from conftest import FLAGSHIP, roots_of, transformers_site
-from test_generate import cpu_served
+from conftest import FLAGSHIP
+from test_generate_flagship import flagship  # noqa: F401  (the fixture: the patched tree, the tiny model)
 
-from toolkit.bench import client
+from toolkit.bench import client, rehearse
 from toolkit.bench.experiment import OFFLINE_ENV
 from toolkit.bench.serve import Server, free_port, stray_processes
-from toolkit.cli import main
 from toolkit.recipe import load_recipe
-from toolkit.runtime import rehearse
 from toolkit.submission.render import render
 
 TEMPLATE = "/opt/toolkit/chat_templates/qwen36_multi_system.jinja"
-
-
-@pytest.fixture(scope="module")
-def flagship(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, adapter_args: list[str],
-             transformers_455: Path) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("served-api")
-    rootfs = work / "rootfs"
-    shutil.copytree(corex_template, rootfs, symlinks=True)
-    site = transformers_site(rootfs, transformers_455, full=True)
-    assert main(["apply", str(FLAGSHIP), "--rootfs", str(rootfs), *adapter_args,
-                 "--package-root", f"transformers={site}"]) == 0
-    return {**cpu_served(work, FLAGSHIP, [site, roots_of(rootfs)[1]]), "rootfs": rootfs}
 
 
 def test_the_substitutions_are_recorded_and_nothing_else_changes(tmp_path: Path) -> None:
@@ -61,7 +46,7 @@ def test_the_substitutions_are_recorded_and_nothing_else_changes(tmp_path: Path)
     assert env["HYBRID_KV_ACCOUNTING"] == "full_attention" and env["PREFIX_STATE_INTERVAL"] == "4096"
 
 
-def test_the_flagships_server_answers_a_streamed_chat_request_at_tp2(flagship: dict[str, Any]) -> None:
+def test_the_flagships_server_answers_a_streamed_chat_request_at_tp2(flagship: dict[str, Any]) -> None:  # noqa: F811
     loaded = load_recipe(FLAGSHIP)
     run_config = render(loaded.recipe, loaded.path.name, "base").run_config
     port = free_port()
