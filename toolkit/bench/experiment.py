@@ -30,6 +30,15 @@ from toolkit.variants import Variant
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value given to `flag` in argv (None: not given, or given as a switch with no value)."""
+    if flag in argv:
+        index = argv.index(flag)
+        if index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+            return argv[index + 1]
+    return None
+
+
 def set_flag(argv: list[str], flag: str, value: str) -> list[str]:
     out = list(argv)
     if flag in out:

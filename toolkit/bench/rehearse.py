@@ -26,14 +26,6 @@ class Substitution:
     why: str
 
 
-def _value(argv: list[str], flag: str) -> str | None:
-    if flag in argv:
-        index = argv.index(flag)
-        if index + 1 < len(argv) and not argv[index + 1].startswith("--"):
-            return argv[index + 1]
-    return None
-
-
 def server_command(run_config: str, python: Path, model: Path, port: int, tp: int,
                    rootfs: Path | None = None) -> tuple[list[str], dict[str, str], list[Substitution]]:
     """The run config's argv and env with the rehearsal's substitutions: this machine's Python, the tiny model,
@@ -53,8 +45,8 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
             ("--max-num-batched-tokens", str(BATCH_TOKENS if chunked else MAX_MODEL_LEN),
              "scaled to the tiny model" + (": prefills are chunked" if chunked else ""))]:
         argv = experiment.set_flag(argv, flag, value)
-        if _value(served, flag) != value:
-            subs.append(Substitution(flag, _value(served, flag), value, why))
+        if experiment.flag_value(served, flag) != value:
+            subs.append(Substitution(flag, experiment.flag_value(served, flag), value, why))
     if rootfs is not None:
         for index, item in enumerate(argv):
             deployed = rootfs / item.lstrip("/")

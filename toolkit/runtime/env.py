@@ -22,7 +22,7 @@ REQUIREMENTS = ("transformers==4.55.3", "numpy<2.0.0", "compressed-tensors==0.6.
                 "fastapi", "uvicorn", "uvloop", "prometheus-fastapi-instrumentator", "outlines>=0.0.43,<0.1",
                 # outlines pulls datasets, and with it pyarrow: newer ones need numpy 2
                 "pyarrow<18",
-                "pyairports")  # outlines.types imports it and does not declare it
+                "pyairports")  # outlines declares it; the index's only version is an empty placeholder (_airports)
 # must never be in it: each changes the code paths vLLM takes on a CPU
 ABSENT = ("intel_extension_for_pytorch", "triton", "xformers", "vllm")
 
