@@ -575,13 +575,75 @@ def bi100_timer(name):
     print(f"[BI100_PROFILE] {name} {(time.perf_counter() - start) * 1e3:.3f} ms")
 '''
 
-TOOL_PARSER = '''"""qwen3_coder tool parser (stand-in: registers under the adapter's name)."""
+TOOL_PARSER = r'''"""qwen3_coder tool parser (stand-in, written from the format the adapter's parser takes: <tool_call>
+<function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>, values converted by the request's tool
+schema; a whole call is streamed once its closing tag has arrived)."""
+import json
+import re
+
+from vllm.entrypoints.openai.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                              ExtractedToolCallInformation, FunctionCall, ToolCall)
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, ToolParserManager
+
+CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S)
+PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+START = "<tool_call>"
+
+
+def _convert(value, schema):
+    if (schema or {}).get("type") in ("integer", "number", "boolean", "object", "array"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
 
 
 @ToolParserManager.register_module("qwen3_coder")
 class Qwen3CoderToolParser(ToolParser):
-    pass
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        for token in (START, "</tool_call>"):
+            if token not in self.vocab:
+                raise RuntimeError(f"qwen3_coder: {token} is not one token of the tokenizer")
+        self.sent_content = 0
+
+    def _calls(self, text, request):
+        schemas = {t.function.name: (t.function.parameters or {}).get("properties", {})
+                   for t in (request.tools or [])}
+        calls = []
+        for name, body in CALL.findall(text):
+            name = name.strip()
+            calls.append((name, {key.strip(): _convert(value, schemas.get(name, {}).get(key.strip()))
+                                 for key, value in PARAMETER.findall(body)}))
+        return calls
+
+    def extract_tool_calls(self, model_output, request):
+        calls = self._calls(model_output, request)
+        if not calls:
+            return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
+        return ExtractedToolCallInformation(
+            tools_called=True, content=model_output[:model_output.index(START)].strip() or None,
+            tool_calls=[ToolCall(function=FunctionCall(name=n, arguments=json.dumps(a))) for n, a in calls])
+
+    def extract_tool_calls_streaming(self, previous_text, current_text, delta_text, previous_token_ids,
+                                     current_token_ids, delta_token_ids, request):
+        start = current_text.find(START)
+        visible = current_text if start < 0 else current_text[:start]
+        # a partial "<tool_c" at the end may still become the tag: held back until it cannot
+        held = 0 if start >= 0 else next((k for k in range(len(START) - 1, 0, -1) if visible.endswith(START[:k])), 0)
+        content = visible[self.sent_content:len(visible) - held]
+        self.sent_content += len(content)
+        deltas = []
+        for name, arguments in self._calls(current_text, request)[len(self.prev_tool_call_arr):]:
+            self.current_tool_id += 1
+            self.prev_tool_call_arr.append({"name": name, "arguments": arguments})
+            self.streamed_args_for_tool.append(json.dumps(arguments))
+            deltas.append(DeltaToolCall(index=self.current_tool_id, type="function", function=DeltaFunctionCall(
+                name=name, arguments=json.dumps(arguments)).model_dump(exclude_none=True)))
+        if not content and not deltas:
+            return None
+        return DeltaMessage(content=content or None, tool_calls=deltas)
 '''
 
 REASONING = {
@@ -625,13 +687,49 @@ class ReasoningParserManager:
     def list_registered(cls):
         return sorted(set(cls._parsers) | set(cls._lazy))
 ''',
-    "qwen3_reasoning_parser.py": '''from vllm.reasoning.abs_reasoning_parsers import (ReasoningParser,
+    "qwen3_reasoning_parser.py": r'''from vllm.reasoning.abs_reasoning_parsers import (ReasoningParser,
                                                   ReasoningParserManager)
 
 
 @ReasoningParserManager.register_module("qwen3")
 class Qwen3ReasoningParser(ReasoningParser):
+    """Everything before </think> is reasoning (a generated <think> stripped); with thinking on, output cut off
+    before </think> is all reasoning (stand-in, from ADAPTER.md section 5's description of the adapter's)."""
+
     start_token, end_token = "<think>", "</think>"
+
+    def __init__(self, tokenizer, chat_template_kwargs=None, **kwargs):
+        super().__init__(tokenizer, **kwargs)
+        vocab = tokenizer.get_vocab()
+        for token in (self.start_token, self.end_token):
+            if token not in vocab:
+                raise RuntimeError(f"qwen3 reasoning parser: {token} is not in the tokenizer's vocabulary")
+        self.thinking = (chat_template_kwargs or {}).get("enable_thinking", True)
+        self.sent, self.ended = 0, False
+
+    def split(self, text):
+        """(reasoning, content) of a whole output; content None while </think> has not come."""
+        if not self.thinking:
+            return None, text
+        text = text[len(self.start_token):] if text.startswith(self.start_token) else text
+        reasoning, end, content = text.partition(self.end_token)
+        return (reasoning or None), (content if end else None)
+
+    def split_streaming(self, previous_text, delta_text):
+        """(reasoning delta, content delta) of one streamed delta, given the text before it."""
+        if not self.thinking or self.ended:
+            return None, delta_text
+        reasoning, content = self.split(previous_text + delta_text)
+        reasoning = reasoning or ""
+        if content is None:
+            # a partial "</thi" at the end may still become the end tag: held back until it cannot
+            held = next((k for k in range(len(self.end_token) - 1, 0, -1)
+                         if reasoning.endswith(self.end_token[:k])), 0)
+            out = reasoning[self.sent:len(reasoning) - held]
+        else:
+            self.ended, out = True, reasoning[self.sent:]
+        self.sent += len(out)
+        return (out or None), content
 ''',
 }
 
@@ -721,12 +819,14 @@ REPLACEMENTS = {
     "paged_attn.py": ("vllm/attention/ops/paged_attn.py",
                       "the V1/V2 choice moved into a function that forces V1; the image's decode call"),
     "mamba_cache.py": ("vllm/model_executor/models/mamba_cache.py", "a request's state slot zeroed when it takes it"),
-    "sequence.py": ("vllm/sequence.py", "RequestMetrics.num_cached_tokens"),
+    "sequence.py": ("vllm/sequence.py", "RequestMetrics.num_cached_tokens; no tokens for a chunk that adds none"),
     "scheduler.py": ("vllm/core/scheduler.py", "num_cached_tokens recorded as the block manager's whole hit"),
-    "protocol.py": ("vllm/entrypoints/openai/protocol.py", "a comment; CRLF line endings"),
+    "protocol.py": ("vllm/entrypoints/openai/protocol.py",
+                    "PromptTokensDetails in UsageInfo, reasoning_content on messages; CRLF line endings"),
     "cli_args.py": ("vllm/entrypoints/openai/cli_args.py", "--reasoning-parser after --tool-parser-plugin"),
-    "serving_chat.py": ("vllm/entrypoints/openai/serving_chat.py", "a comment"),
-    "api_server.py": ("vllm/entrypoints/openai/api_server.py", "a comment"),
+    "serving_chat.py": ("vllm/entrypoints/openai/serving_chat.py",
+                        "the reasoning parser (streamed and not), cached tokens in the streamed usage"),
+    "api_server.py": ("vllm/entrypoints/openai/api_server.py", "--reasoning-parser checked and passed on"),
     "chat_utils.py": ("vllm/entrypoints/chat_utils.py", "a comment"),
 }
 CRLF = {"protocol.py", "bi100_env.py"}
@@ -749,8 +849,8 @@ REASONING_FLAG = '''    parser.add_argument(
         "--tool-parser-plugin",'''
 
 
-# (anchor in the public file, what the stand-in adds after it), as the adapter's replacements do
-EDITS = {
+# (anchor in the public file, what the stand-in adds after it, or "before" it), as the adapter's replacements do
+EDITS: dict[str, list[tuple[str, ...]]] = {
     "mamba_cache.py": [("""            self.mamba_cache_indices_mapping[cur_rid] = {
                 seq_id: destination_index
             }
@@ -759,13 +859,93 @@ EDITS = {
 """)],
     "sequence.py": [("""    model_execute_time: Optional[float] = None
 """, """    num_cached_tokens: Optional[int] = None
-""")],
+"""), ("""        # Return new tokens
+        if num_new_tokens == 1:
+""", """        if num_new_tokens == 0:  # an intermediate chunk of a chunked prefill: `[-0:]` would be every token
+            return []
+""", "before")],
     "scheduler.py": [("""                common_computed_block_nums = (
                     self.block_manager.get_common_computed_block_ids(
                         seq_group.get_seqs(status=SequenceStatus.RUNNING)))
-""", """                if seq_group.is_prefill():
+""", """                if seq_group.is_prefill() and seq_group.metrics.num_cached_tokens is None:
                     seq_group.metrics.num_cached_tokens = (
                         len(common_computed_block_nums) * self.block_manager.block_size)
+""")],
+    "protocol.py": [("""class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: List[ModelCard] = Field(default_factory=list)
+""", """
+
+class PromptTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+"""), ("""    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: Optional[int] = 0
+""", """    prompt_tokens_details: Optional[PromptTokensDetails] = None
+"""), ("""class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[str] = None
+""", """    reasoning_content: Optional[str] = None
+"""), ("""class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+""", """    reasoning_content: Optional[str] = None
+""")],
+    "serving_chat.py": [("""from vllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+""", """from vllm.entrypoints.openai.protocol import PromptTokensDetails
+from vllm.reasoning import ReasoningParserManager
+"""), ("""                 tool_parser: Optional[str] = None""", """,
+                 reasoning_parser: Optional[str] = None"""),
+        ("""        self.tool_parser: Optional[Callable[[AnyTokenizer], ToolParser]] = None
+""", """        self.reasoning_parser = (ReasoningParserManager.get_reasoning_parser(reasoning_parser)
+                                 if reasoning_parser else None)
+"""), ("""        num_prompt_tokens = 0
+""", """        num_cached_tokens = 0
+        reasoning_parsers = {}
+        reasoning_previous = {}
+"""), ("""                    num_prompt_tokens = len(res.prompt_token_ids)
+""", """                    if res.metrics is not None and res.metrics.num_cached_tokens:
+                        num_cached_tokens = res.metrics.num_cached_tokens
+"""), ("""                    delta_text = output.text
+""", """                    reasoning_delta = None
+                    if self.reasoning_parser is not None:
+                        if i not in reasoning_parsers:
+                            reasoning_parsers[i] = self.reasoning_parser(
+                                tokenizer, chat_template_kwargs=request.chat_template_kwargs)
+                        previous = reasoning_previous.get(i, "")
+                        reasoning_previous[i] = previous + delta_text
+                        reasoning_delta, delta_text = reasoning_parsers[i].split_streaming(previous, delta_text)
+                        delta_text = delta_text or ""
+"""), ("""                    previous_num_tokens[i] += len(output.token_ids)
+""", """                    if reasoning_delta:
+                        if delta_message is None:
+                            delta_message = DeltaMessage()
+                        if not delta_message.content:
+                            delta_message.content = None
+                        delta_message.reasoning_content = reasoning_delta
+"""), ("""                final_usage = UsageInfo(
+                    prompt_tokens=num_prompt_tokens,
+""", """                    prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+"""), ("""            auto_tools_called = False
+
+""", """            reasoning = None
+            if self.reasoning_parser is not None:
+                reasoning, text = self.reasoning_parser(
+                    tokenizer, chat_template_kwargs=request.chat_template_kwargs).split(output.text)
+                output.text = text or ""
+"""), ("""            choice_data = ChatCompletionResponseChoice(
+                index=output.index,
+                message=message,
+""", """            message.reasoning_content = reasoning
+""", "before")],
+    "api_server.py": [("""        tool_parser=args.tool_call_parser""", """,
+        reasoning_parser=getattr(args, "reasoning_parser", None)"""),
+        ("""    valide_tool_parses = ToolParserManager.tool_parsers.keys()
+""", """    from vllm.reasoning import ReasoningParserManager
+    if getattr(args, "reasoning_parser", None) and \\
+            args.reasoning_parser not in ReasoningParserManager.list_registered():
+        raise KeyError(f"invalid reasoning parser: {args.reasoning_parser} "
+                       f"(chose from {{ {','.join(ReasoningParserManager.list_registered())} }})")
 """)],
 }
 
@@ -784,9 +964,9 @@ def replacement(name: str, vendor_text: str) -> str:
         return text
     if name in EDITS:
         text = vendor_text
-        for anchor, addition in EDITS[name]:
-            assert text.count(anchor) == 1, f"the public {name} changed"
-            text = text.replace(anchor, anchor + addition)
+        for anchor, addition, *where in EDITS[name]:
+            assert text.count(anchor) == 1, f"the public {name} changed: {anchor!r}"
+            text = text.replace(anchor, addition + anchor if where == ["before"] else anchor + addition)
         return text + f"\n# stand-in adapter: replacement of the vendor's {name}\n"
     if name == "cli_args.py":
         anchor = '    parser.add_argument(\n        "--tool-parser-plugin",'

@@ -36,7 +36,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if m['content'] is string else '' }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -44,7 +45,9 @@ LAYERS = 4
 HYBRID_LAYERS = 8
 HYBRID_HIDDEN = 64
 HYBRID_EXPERTS = 8
-VOCAB = 384
+VOCAB = 640
+# the positions the tiny model takes: an agent's prompt (29 tool schemas) is about 7,000 of its tokens
+POSITIONS = 16384
 SEED = 0
 
 
@@ -174,13 +177,21 @@ CORPUS = ("the model serves tokens on a card ; every request streams its answer 
           "keys and values for prefixes that repeat . tools are called with arguments in json")
 
 
+# what function schemas are made of (JSON, its keys and types), so a request with many tools stays within the tiny
+# model's positions
+SCHEMA = ('{"type": "function", "function": {"name": "get_time", "description": "get time: a tool the assistant may '
+          'call", "parameters": {"type": "object", "properties": {"arg_0": {"type": "integer", "description": '
+          '"parameter 0 of get_time: what the call needs to know"}, "arg_1": {"type": "string"}}, "required": '
+          '["arg_0", "arg_1"]}}}')
+
+
 def _corpus() -> list[str]:
     words = CORPUS.split()
-    return [" ".join(words[i:] + words[:i]) for i in range(len(words))]
+    return [" ".join(words[i:] + words[:i]) for i in range(len(words))] + [SCHEMA] * 20
 
 
 def _tokenizer(out: Path) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -189,8 +200,10 @@ def _tokenizer(out: Path) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIALS[3:])
+    # one token each but not special, as in the family's tokenizer: a server that skips special tokens when it
+    # detokenizes keeps these, so the reasoning and tool parsers see the tags
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
@@ -205,7 +218,7 @@ def _hybrid_config(spec: dict[str, Any], specials: dict[str, int]) -> dict[str, 
             "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
             "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
     text = {key: spec[key] for key in keys} | {
-        "model_type": f"{spec['model_type']}_text", "layer_types": layer_types, "max_position_embeddings": 4096,
+        "model_type": f"{spec['model_type']}_text", "layer_types": layer_types, "max_position_embeddings": POSITIONS,
         "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
         "torch_dtype": spec["dtype"], **specials}
     return {"architectures": [spec["architecture"]], "model_type": spec["model_type"], "torch_dtype": spec["dtype"],
@@ -324,7 +337,7 @@ def main(spec: dict[str, Any], out: Path) -> None:
         spec["model_type"], architectures=[spec["architecture"]], vocab_size=spec["vocab_size"],
         hidden_size=heads * head_dim, intermediate_size=2 * head_dim, num_hidden_layers=spec["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=spec["num_key_value_heads"], head_dim=head_dim,
-        max_position_embeddings=4096, torch_dtype=spec["dtype"], tie_word_embeddings=False, initializer_range=0.15,
+        max_position_embeddings=POSITIONS, torch_dtype=spec["dtype"], tie_word_embeddings=False, initializer_range=0.15,
         bos_token_id=fast.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=fast.eos_token_id)
     torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(config)
