@@ -1,29 +1,39 @@
-"""The flagship's server as the platform starts it, on a CPU (`pytest -k served_api`): the run config's own argv
-and env (toolkit/bench/rehearse.py: only the recorded substitutions), vLLM 0.6.3's OpenAI server over the
-CoreX-like tree patched by the flagship with the stand-in adapter, its engine process, a second TP rank, the vendor's
-GPU path on CPU tensors and the tiny checkpoint; a streamed chat request through the toolkit's bench client.
-
-The start of `toolkit rehearse` (issue 31): its checks (the official requests, the parsers, the prefix cache) are
-to run on top of this.
+"""`toolkit rehearse` (`pytest -k rehearse`): the flagship's server as the platform starts it (the run config's own
+argv and env, with only the recorded substitutions), vLLM 0.6.3's OpenAI server over the CoreX-like tree patched
+by the flagship with the stand-in adapter, its engine process and a second TP rank, the vendor's GPU path on CPU
+tensors and the tiny checkpoint, answering the official request shapes through the bench client; then the mutants,
+each failing the check that names its cause.
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
+import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
-from conftest import FLAGSHIP
-from test_generate_flagship import flagship  # noqa: F401  (the fixture: the patched tree, the tiny model)
+from conftest import FLAGSHIP, REPO
 
-from toolkit.bench import client, rehearse
-from toolkit.bench.experiment import OFFLINE_ENV
-from toolkit.bench.serve import Server, free_port, stray_processes
+from toolkit.bench import rehearse
+from toolkit.bench.serve import stray_processes
+from toolkit.cli import main
+from toolkit.commands.common import Inputs
+from toolkit.commands.rehearse import RehearseRequest
+from toolkit.commands.rehearse import rehearse as rehearse_cmd
 from toolkit.recipe import load_recipe
 from toolkit.submission.render import render
 
 TEMPLATE = "/opt/toolkit/chat_templates/qwen36_multi_system.jinja"
+# legacy40's KV for 12288 tokens (every layer counted: 96 MB at TP 2) does not fit beside the tiny model
+MEMORY_GB = 0.15
+LEADING_SYSTEM_ONLY = (
+    "{%- if messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' ~ messages[0].content ~ '<|im_end|>\\n' -}}"
+    "{%- endif -%}{%- for m in messages -%}{%- if m.role != 'system' -%}"
+    "{{- '<|im_start|>' ~ m.role ~ '\\n' ~ m.content ~ '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 
 
 def test_the_substitutions_are_recorded_and_nothing_else_changes(tmp_path: Path) -> None:
@@ -46,27 +56,112 @@ def test_the_substitutions_are_recorded_and_nothing_else_changes(tmp_path: Path)
     assert env["HYBRID_KV_ACCOUNTING"] == "full_attention" and env["PREFIX_STATE_INTERVAL"] == "4096"
 
 
-def test_the_flagships_server_answers_a_streamed_chat_request_at_tp2(flagship: dict[str, Any]) -> None:  # noqa: F811
-    loaded = load_recipe(FLAGSHIP)
-    run_config = render(loaded.recipe, loaded.path.name, "base").run_config
-    port = free_port()
-    argv, env, subs = rehearse.server_command(run_config, flagship["python"], flagship["model"], port, 2,
-                                              flagship["rootfs"])
-    assert "--chat-template" in {s.flag for s in subs}  # the deployed template, not the image's path
-    work = flagship["work"]
-    server = Server(argv, {**flagship["env"], **OFFLINE_ENV, **env}, cwd=work, log_path=work / "server.log",
-                    url=f"http://127.0.0.1:{port}", model="llm")
-    server.start()
-    try:
-        server.wait_ready(600)
-        settings = client.Settings(server.url, model="llm", max_tokens=8, ignore_eos=True, timeout_s=300)
-        conversation = client.Conversation("short", [client.Turn("Say hello in one word.")], system="Be brief.")
-        records, _ = asyncio.run(client.run([conversation], settings, 1))
-    finally:
-        server.stop()
-    [record] = records
-    assert record.ok and record.status == 200, (record.failure, record.message, server.log_tail(60))
-    assert record.completion_tokens == 8 and record.prompt_tokens > 0 and record.content_times
-    log = server.log_path.read_text(encoding="utf-8", errors="replace")
+def _sources(adapter_args: list[str]) -> Inputs:
+    name, _, where = adapter_args[1].partition("=")
+    return Inputs(sources={name: where})
+
+
+def _checks(report: Any) -> dict[str, dict[str, Any]]:
+    [variant] = report.as_json()["variants"]
+    return {c["name"]: c for c in variant["checks"]}
+
+
+@pytest.fixture(scope="module")
+def flagship_rehearsal(tmp_path_factory: pytest.TempPathFactory, adapter_args: list[str]) -> Any:
+    out = tmp_path_factory.mktemp("rehearse") / "run"
+    return rehearse_cmd(RehearseRequest(FLAGSHIP, _sources(adapter_args), output=out))
+
+
+def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: Any) -> None:
+    report = flagship_rehearsal
+    data = report.as_json()
+    [variant] = data["variants"]
+    print(json.dumps({k: variant[k] for k in ("checks", "cache_hit_rate", "ready_s", "first_token_s")}, indent=1))
+    checks = _checks(report)
+    assert set(checks) == {"start", "short", "tools", "multi-system", "weights", "cache-hits", "prefix-cache"}
+    # every later turn hitting the cache is the one check the flagship fails (test below, strict xfail)
+    assert not [c for name, c in checks.items() if not c["ok"] and name != "cache-hits"], checks
+    assert variant["tp"] == 2
+    assert {s["flag"] for s in variant["substitutions"]} >= {"--model", "--tensor-parallel-size", "--chat-template",
+                                                            "device memory"}
+    assert {"ixformer.functions.vllm_single_query_cached_kv_attention", "ixformer.functions.linear",
+            "ixformer.distributed.all_reduce"} <= set(variant["references"])
+    assert "gloo-for-nccl" in variant["shims"] and "load-check" in variant["shims"]
+    tools = next(r for r in variant["requests"] if r["sent"] == "tools")
+    assert tools["prompt_tokens"] > 4000  # the 29 schemas reached the prompt
+    log = Path(variant["logs"][0]).read_text(encoding="utf-8", errors="replace")
     assert "VllmWorkerProcess" in log  # the second rank ran in its own process
-    assert stray_processes() == [], "the server's group (engine process, TP worker) was stopped"
+    assert stray_processes() == [], "every server's group (engine process, TP worker) was stopped"
+
+
+@pytest.mark.xfail(strict=True, reason="the flagship's prefix-state restores a GatedDeltaNet checkpoint only inside a "
+                   "prefill's first chunk: a later turn whose first chunk reaches none recomputes everything")
+def test_every_later_turn_of_the_flagship_hits_the_cache(flagship_rehearsal: Any) -> None:
+    check = _checks(flagship_rehearsal)["cache-hits"]
+    assert check["ok"], check["detail"]
+
+
+def _mutant_recipe(tmp_path: Path, template: str | None = None, without: str | None = None) -> Path:
+    """A copy of the flagship's recipe, layers and patches: with another chat template, or one transform taken out."""
+    for folder in ("recipes", "layers", "patches"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    if template is not None:
+        (tmp_path / "patches/src/chat_templates/qwen36_multi_system.jinja").write_text(template)
+    if without is not None:
+        layer = tmp_path / "layers/qwen36-adapter.yaml"
+        lines = layer.read_text().splitlines(keepends=True)
+        start = lines.index(f"  - id: {without}\n")
+        end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith(("  - id:", "  #", "\n")))
+        layer.write_text("".join(lines[:start] + lines[end:]))
+    return tmp_path / "recipes" / FLAGSHIP.name
+
+
+def test_a_template_that_keeps_only_a_leading_system_message_fails_the_multi_system_check(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    recipe = _mutant_recipe(tmp_path, template=LEADING_SYSTEM_ONLY)
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("multi-system",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"]
+    assert not checks["multi-system"]["ok"]
+    assert "the served template's rendering lacks system message(s) [2, 3] of 3" in checks["multi-system"]["detail"]
+    assert set(checks) == {"start", "multi-system", "weights"}
+
+
+def test_the_tool_parser_unregistered_fails_the_start_with_the_vendors_error_located(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    recipe = _mutant_recipe(tmp_path, without="adapter-register-tool-parser")
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("short",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and list(checks) == ["start"]
+    detail = checks["start"]["detail"]
+    assert "KeyError: 'invalid tool call parser: qwen3_coder" in detail, detail
+    assert "vllm/entrypoints/openai/api_server.py:" in detail
+    assert "(written by adapter-replace-api-server)" in detail  # the adapter's api_server.py raised it
+    assert stray_processes() == []
+
+
+def test_legacy40_kv_accounting_with_small_memory_fails_where_the_vendor_sizes_the_cache(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    report = rehearse_cmd(RehearseRequest(FLAGSHIP, _sources(adapter_args), variant="kv-legacy40",
+                                          output=tmp_path / "run", memory_gb=MEMORY_GB, checks=("short",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and not checks["start"]["ok"]
+    detail = checks["start"]["detail"]
+    assert "is larger than the maximum number of tokens that can be stored in KV cache" in detail, detail
+    assert "vllm/worker/worker.py:" in detail
+    assert stray_processes() == []
+
+
+def test_a_port_already_taken_is_a_clear_error_and_nothing_starts(
+        tmp_path: Path, adapter_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        code = main(["rehearse", str(FLAGSHIP), *adapter_args, "--port", str(port), "-o", str(tmp_path / "run")])
+    assert code != 0
+    err = capsys.readouterr().err
+    assert f"--port {port}: already taken on 127.0.0.1, nothing was started" in err
+    assert not (tmp_path / "run").exists() and stray_processes() == []

@@ -22,6 +22,7 @@ from toolkit.commands.lint import LintRequest, lint, variants
 from toolkit.commands.preflight import PreflightRequest, preflight
 from toolkit.commands.profile import ProfileRequest, profile
 from toolkit.commands.profile import compare as profile_compare
+from toolkit.commands.rehearse import RehearseRequest, rehearse
 from toolkit.commands.schema import schema_text
 from toolkit.commands.show import ShowRequest, show
 from toolkit.commands.tree import ApplyRequest, DiffRequest, VerifyRequest, apply, diff, verify
@@ -33,8 +34,9 @@ vendor_pull, vendor_compare = pull, compare
 
 __all__ = [
     "ApplyRequest", "BenchRequest", "BuildRequest", "CompareRequest", "DiffRequest", "ExperimentRequest", "Inputs",
-    "LintRequest", "Load", "PreflightRequest", "ProfileRequest", "Report", "ShowRequest", "ToolkitError",
-    "VerifyRequest",
+    "LintRequest", "Load", "PreflightRequest", "ProfileRequest", "RehearseRequest", "Report", "ShowRequest",
+    "ToolkitError", "VerifyRequest",
     "__version__", "apply", "bench", "bench_compare", "build", "check", "diff", "experiment", "lint", "preflight",
-    "profile", "profile_compare", "schema_text", "show", "variants", "vendor_compare", "vendor_pull", "verify",
+    "profile", "profile_compare", "rehearse", "schema_text", "show", "variants", "vendor_compare", "vendor_pull",
+    "verify",
 ]

@@ -15,6 +15,7 @@ from toolkit.commands import build as build_cmd
 from toolkit.commands import lint as lint_cmd
 from toolkit.commands import preflight as preflight_cmd
 from toolkit.commands import profile as profile_cmd
+from toolkit.commands import rehearse as rehearse_cmd
 from toolkit.commands import show as show_cmd
 from toolkit.commands import tree as tree_cmd
 from toolkit.commands import vendor as vendor_cmd
@@ -102,7 +103,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_build(args: argparse.Namespace) -> int:
     return _show(build_cmd.build(build_cmd.BuildRequest(
         Path(args.recipe), Path(args.output), _inputs(args), variant=args.variant, all_variants=args.all_variants,
-        branches=args.branches, push=args.push, rootfs=_path(args.rootfs), force=args.force, image=args.image)), args)
+        branches=args.branches, push=args.push, rootfs=_path(args.rootfs), force=args.force, image=args.image,
+        rehearse=args.rehearse)), args)
 
 
 def cmd_vendor_pull(args: argparse.Namespace) -> int:
@@ -142,6 +144,19 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return _show(preflight_cmd.preflight(preflight_cmd.PreflightRequest(
         Path(args.recipe), _inputs(args), args.variant, args.all_variants, _path(args.rootfs),
         _path(args.model_config))), args)
+
+
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    """The submission's own server command (the run config's argv and env, with the substitutions printed) on a
+    CPU: vLLM's OpenAI server over the patched vendor tree, the vendor's GPU path on CPU tensors, a tiny model of
+    the recipe's architecture. It answers a short prompt, the 29-tool workload and a multi-system conversation
+    through the bench client; its loader must write every weight; the prefix cache must change no answer (a server
+    without it, and each request alone, give the same). Exit 0 only when every check holds; the server logs stay
+    in RUNDIR."""
+    return _show(rehearse_cmd.rehearse(rehearse_cmd.RehearseRequest(
+        Path(args.recipe), _inputs(args), args.variant, args.all_variants, _path(args.rootfs),
+        _path(args.model_config), args.tp, _path(args.output), args.port, args.device_memory_gb,
+        checks=tuple(args.check or ()))), args)
 
 
 def _load(args: argparse.Namespace) -> bench_cmd.Load:
@@ -265,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", metavar="TAG", help="also docker-build the image (DOCKER_HOST or the default socket), "
                    "verify inside it and compare its patched files with a host apply")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--rehearse", action="store_true", help="then rehearse what was written (`toolkit rehearse`: "
+                   "its server command on a CPU, the official requests); a failed rehearsal fails the build, the "
+                   "submission stays on disk for inspection")
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("vendor", help="`vendor pull`: extract the recipe's vendor roots from the base image; "
@@ -330,6 +348,31 @@ def build_parser() -> argparse.ArgumentParser:
                    "generated from the recipe's model: section)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser("rehearse", help="start the submission's own server command on a CPU (tiny model, the "
+                       "vendor's GPU path on CPU tensors) and check it answers the official requests",
+                       description=cmd_rehearse.__doc__ or None)
+    p.add_argument("recipe", help="the recipe YAML")
+    p.add_argument("--variant", metavar="NAME", help="one variant (see `toolkit variants`); default: the base")
+    p.add_argument("--all-variants", action="store_true", help="every variant of the recipe, one after another")
+    p.add_argument("--rootfs", metavar="DIR", help="vendor roots the recipe was applied to (default: a copy of the "
+                   "CoreX-like reference tree with the recipe applied, made for this run)")
+    p.add_argument("--source", action="append", metavar="NAME=PATH[@COMMIT]", help=SOURCE_HELP)
+    p.add_argument("--package-root", action="append", metavar="NAME=DIR", help="with --rootfs: where a declared "
+                   "package (e.g. transformers) is")
+    p.add_argument("--model-config", metavar="DIR", help="the served model's config.json and, when there, its "
+                   "model.safetensors.index.json: the tiny model takes its shape ratios and its tensor names")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default: 2 where the recipe serves "
+                   "TP > 1, so the TP path runs; each rank is a process on this CPU)")
+    p.add_argument("-o", "--output", metavar="RUNDIR", help="where the server logs and records go (a new or empty "
+                   "folder; default: a new temporary folder, kept and named in the report)")
+    p.add_argument("--port", type=int, metavar="N", help="the server's port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--device-memory-gb", type=float, metavar="GB", help="the emulated card's memory the vendor "
+                   "sizes the KV cache from (default 0.5: that cache is this machine's memory)")
+    p.add_argument("--check", action="append", metavar="NAME", help="run only this request check (repeatable): "
+                   "short, tools, multi-system, prefix-cache; the start and the weights are checked always")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_rehearse)
 
     p = sub.add_parser("variants", help="list the expanded experiment variants with the lint result of each")
     p.add_argument("recipe", help="the recipe YAML")

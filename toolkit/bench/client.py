@@ -17,7 +17,7 @@ import httpx
 from httpx_aiohttp import AiohttpTransport
 
 from toolkit.bench.metrics import RequestRecord
-from toolkit.bench.sse import Parser, content_of
+from toolkit.bench.sse import Parser, content_of, join_tool_calls, logprobs_of, reasoning_of
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Settings:
     ignore_eos: bool = False
     timeout_s: float = 600.0
     salt: str | None = None  # put at the very start of each conversation, so an earlier run's cache cannot help
+    logprobs: int = 0  # ask for each token's logprob and this many alternatives (0: none)
 
     @property
     def endpoint(self) -> str:
@@ -69,6 +70,8 @@ def _body(conv: Conversation, messages: list[dict[str, Any]], max_tokens: int, s
                             "stream_options": {"include_usage": True}, "max_tokens": max_tokens, "temperature": 0}
     if settings.ignore_eos:
         body["ignore_eos"] = True
+    if settings.logprobs:
+        body.update(logprobs=True, top_logprobs=settings.logprobs)
     if conv.tools:
         body["tools"] = _salted_tools(conv.tools, settings.salt)
     return body
@@ -147,6 +150,9 @@ async def send(client: httpx.AsyncClient, body: dict[str, Any], record: RequestR
                 if is_content:
                     record.content_times.append(now)
                     record.reply += text
+                    record.reasoning += reasoning_of(payload)
+                    join_tool_calls(record.tool_calls, payload)
+                record.logprobs.extend(logprobs_of(payload))
             record.e2e = time.perf_counter() - start
     except httpx.TransportError as exc:
         fail(*_failure(exc, record.status, time.perf_counter() - start))

@@ -48,6 +48,10 @@ class RequestRecord:
     completion_tokens: int = 0
     finish_reason: str | None = None
     reply: str = ""
+    reasoning: str = ""  # the streamed reasoning_content (a reasoning parser's split)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "arguments"}: the deltas joined
+    # with Settings.logprobs: each generated token {"token", "logprob", "top": {token: logprob}}
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def uncached_tokens(self) -> int:

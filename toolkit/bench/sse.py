@@ -65,3 +65,38 @@ def content_of(payload: dict[str, Any]) -> tuple[bool, str, str | None]:
             has_content = True
         finish = choice.get("finish_reason") or finish
     return has_content, text, finish
+
+
+def join_tool_calls(calls: list[dict[str, Any]], payload: dict[str, Any]) -> None:
+    """Add one chunk's tool-call deltas to `calls` ({"name", "arguments"} by the delta's index): a name comes once,
+    the arguments in pieces."""
+    for choice in payload.get("choices") or []:
+        delta = choice.get("delta") or choice.get("message") or {}
+        for call in delta.get("tool_calls") or []:
+            index = int(call.get("index", len(calls)))
+            while len(calls) <= index:
+                calls.append({"name": "", "arguments": ""})
+            function = call.get("function") or {}
+            calls[index]["name"] += function.get("name") or ""
+            arguments = function.get("arguments")
+            calls[index]["arguments"] += arguments if isinstance(arguments, str) else ""
+
+
+def reasoning_of(payload: dict[str, Any]) -> str:
+    """The reasoning text one chunk adds (`reasoning_content`, or `reasoning` as newer servers name it)."""
+    text = ""
+    for choice in payload.get("choices") or []:
+        delta = choice.get("delta") or choice.get("message") or {}
+        value = delta.get("reasoning_content") or delta.get("reasoning")
+        text += value if isinstance(value, str) else ""
+    return text
+
+
+def logprobs_of(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tokens one chunk carries with their logprobs (a request with `logprobs` and `top_logprobs`)."""
+    out = []
+    for choice in payload.get("choices") or []:
+        for item in (choice.get("logprobs") or {}).get("content") or []:
+            top = {str(t.get("token")): float(t.get("logprob", 0.0)) for t in item.get("top_logprobs") or []}
+            out.append({"token": str(item.get("token")), "logprob": float(item.get("logprob", 0.0)), "top": top})
+    return out

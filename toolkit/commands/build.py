@@ -34,6 +34,7 @@ class BuildRequest:
     rootfs: Path | None = None  # try the transforms on these real vendor roots instead of the CoreX-like tree
     force: bool = False  # replace OUTDIR if it is an unchanged previous submission of this tool
     image: str | None = None  # also docker-build the image with this tag, verify inside, compare with a host apply
+    rehearse: bool = False  # then rehearse the written run config(s) on a CPU; a failed rehearsal fails the build
 
 
 def build(request: BuildRequest) -> Report:
@@ -112,6 +113,18 @@ def build(request: BuildRequest) -> Report:
                  "the repository URL" if not request.push else "next: submit the repository URL you pushed to")
     closing = (next_step + f"; `toolkit check {outdir}` checks it again at any time",) if verified.ok else (
         "next: fix the findings above (the submission would not build or start), then build again",)
+    if request.rehearse and verified.ok:
+        rehearsed = _rehearse(loaded, outdir, request)
+        extra["rehearsal"] = rehearsed.as_json()
+        if not rehearsed.ok:
+            closing = (f"THE REHEARSAL FAILED: the submission in {outdir} was written and stays for inspection, but "
+                       "its server does not answer as the platform needs (the failed checks above say why)",)
+            return dataclasses.replace(finished(Report(
+                "build", str(loaded.path), trial.results, findings=(*verified.findings, *rehearsed.findings),
+                notes=(*notes, *rehearsed.notes, *closing), columns=rehearsed.columns, rows=rehearsed.rows,
+                extra={"outdir": str(outdir), "commit": built.commit, **extra})), exit_code=EXIT_FAILED)
+        notes.extend(f"rehearsal of {variant}: {result} {check}: {detail}" for variant, check, result, detail in
+                     rehearsed.rows)
     # the trial's state per transform and root, as apply reports them on the same trees (one verdict per input)
     return finished(Report(
         "build", str(loaded.path), trial.results, findings=verified.findings, notes=(*notes, *verified.notes, *closing),
@@ -151,6 +164,20 @@ def _preflight(loaded: LoadedRecipe, found: dict[str, Path], request: BuildReque
         return [said], None
     report = preflight.report(loaded, outcomes, f"preflight before writing ({how})")
     return [], dataclasses.replace(report, verb="build", notes=(*report.notes, "nothing was written"))
+
+
+def _rehearse(loaded: LoadedRecipe, outdir: Path, request: BuildRequest) -> Report:
+    """`toolkit rehearse` of the run config(s) the build wrote, on the same trees the trial used."""
+    from toolkit.commands.rehearse import RehearseRequest, rehearse
+
+    configs = {}
+    for variant in chosen_variants(loaded, request.variant, request.all_variants):
+        written = outdir / ("variants/" + variant.name if request.all_variants and variant.name != "base" else "")
+        if (written / "computility-run.yaml").is_file():  # a variant lint dropped has none
+            configs[variant.name] = (written / "computility-run.yaml").read_text(encoding="utf-8")
+    return rehearse(RehearseRequest(loaded.path, request.inputs, request.variant, request.all_variants,
+                                    request.rootfs, apply_to_rootfs=True, run_configs=configs,
+                                    only=tuple(configs)))
 
 
 def check(outdir: Path) -> Report:

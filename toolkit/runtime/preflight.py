@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from toolkit.engine.plan import Engine, run_packages
+from toolkit.engine.plan import ROOTFS_LABEL, Engine, Step, run_packages
 from toolkit.engine.state import STATE_FILE
 from toolkit.engine.writer import commit
 from toolkit.errors import ToolkitError
@@ -29,6 +29,7 @@ from toolkit.results import Finding, Report, Severity
 from toolkit.runtime import standins
 from toolkit.submission.render import argv
 from toolkit.transforms.deploy import Deploy
+from toolkit.transforms.symlink import Symlink
 from toolkit.trial import reference_rootfs, untried_here
 from toolkit.variants import Variant
 from toolkit.variants import find as find_variant
@@ -118,6 +119,9 @@ class Tree:
     untried: dict[str, str]
     where: str
     reference: bool = False  # a CoreX-like copy of the public release, not the image's own files
+    # each transform's change to each file it wrote here, in order (empty for roots patched beforehand): what
+    # says which transform wrote a line a traceback points at
+    steps: tuple[tuple[Path, Step], ...] = ()
 
 
 def _root_items(recipe: Recipe, package: str) -> set[str]:
@@ -169,18 +173,24 @@ def _package_sources(loaded: LoadedRecipe, rootfs: Path | None, given: dict[str,
 
 
 def patched_copy(loaded: LoadedRecipe, pinned: dict[str, Path], work: Path, rootfs: Path | None = None,
-                 given: dict[str, str] | None = None) -> Tree:
+                 given: dict[str, str] | None = None, image: Path | None = None) -> Tree:
     """The recipe applied to a copy of the vendor roots under `rootfs` (checked as the image is: version and
     replacement contracts), or by default of the CoreX-like reference tree; each package from its roots or
-    its release."""
+    its release. With `image` (a folder this call creates), what the recipe deploys at absolute paths in the image
+    (the chat template) is written under it."""
     recipe = loaded.recipe
     exact = rootfs is not None
     base = rootfs if rootfs is not None else reference_rootfs(recipe)[0]
     package = recipe.vendor.package
     vendor = _copy_root(rootfs_roots(recipe, base)[0].path, work / "vendor", package, _root_items(recipe, package))
     untried = untried_here(recipe, pinned)
-    engines = [Engine(loaded, [Root(recipe.vendor.roots[0], vendor)], None, pinned=pinned, skip=frozenset(untried),
-                      check_version=exact, check_replaced=exact)]
+    skip = set(untried)
+    if image is not None:
+        image.mkdir(parents=True)
+        # links into the image's own libraries: nothing on this machine to point at, and nothing here loads them
+        skip |= {t.id for t in recipe.transforms if isinstance(t, Symlink) and t.link.startswith("/")}
+    engines = [Engine(loaded, [Root(recipe.vendor.roots[0], vendor)], image, pinned=pinned,
+                      skip=frozenset(skip), check_version=exact, check_replaced=exact)]
     paths = [vendor]
     for name, source in _package_sources(loaded, rootfs, given or {}).items():
         target = _copy_root(source, work / name, name, _root_items(recipe, name))
@@ -194,10 +204,16 @@ def patched_copy(loaded: LoadedRecipe, pinned: dict[str, Path], work: Path, root
         raise ToolkitError(f"the recipe does not apply to {where}: {', '.join(drifted)} DRIFTED",
                            hint=f"see `toolkit diff RECIPE {f'--rootfs {rootfs}' if exact else '--reference'}`")
     commit(plan.ops)
+    where_is = {root.label: root.path for engine in engines for root in engine.roots}
+    if image is not None:
+        where_is[ROOTFS_LABEL] = image
+    steps = tuple((where_is[step.root] / step.file.lstrip("/"), step) for step in plan.steps
+                  if step.root in where_is)
     if exact:
-        return Tree(paths, vendor, untried, f"a copy of the vendor roots under {rootfs} with the recipe applied")
+        return Tree(paths, vendor, untried, f"a copy of the vendor roots under {rootfs} with the recipe applied",
+                    steps=steps)
     return Tree(paths, vendor, untried, f"a copy of {recipe.vendor.reference} (CoreX-like) with the recipe applied",
-                reference=True)
+                reference=True, steps=steps)
 
 
 def given_tree(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str], work: Path) -> Tree:

@@ -1,0 +1,146 @@
+"""rehearse: the submission's own server command answers the official requests on a CPU (toolkit/bench/rehearse.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from toolkit.commands.common import Inputs, chosen_variants, pinned
+from toolkit.errors import EXIT_FAILED, EXIT_OK, ToolkitError
+from toolkit.recipe import LoadedRecipe, load_recipe
+from toolkit.results import Finding, Report
+from toolkit.runtime.preflight import Tree
+
+if TYPE_CHECKING:
+    from toolkit.bench.rehearse import Rehearsal
+
+
+@dataclass(frozen=True)
+class RehearseRequest:
+    recipe: Path
+    inputs: Inputs = field(default_factory=Inputs)
+    variant: str | None = None  # one variant; default: the base
+    all_variants: bool = False
+    rootfs: Path | None = None  # vendor roots the recipe was applied to (default: a patched copy of the reference)
+    model_config: Path | None = None  # the served model's config.json (and index): the tiny model takes its names
+    tp: int | None = None  # default: 2 where the recipe serves TP > 1, else 1
+    output: Path | None = None  # RUNDIR: the servers' logs and records (default: a new temporary folder, kept)
+    port: int | None = None  # default: a free one
+    memory_gb: float | None = None  # the emulated card's memory (default: rehearse.DEVICE_MEMORY_GB)
+    run_configs: dict[str, str] = field(default_factory=dict)  # variant -> run config text (build --rehearse)
+    only: tuple[str, ...] = ()  # of the chosen variants, these (build --rehearse: those it wrote)
+    checks: tuple[str, ...] = ()  # of the request checks, these (default: all; the start and weights always)
+    apply_to_rootfs: bool = False  # the rootfs holds the image's roots as they are: the recipe is applied to a copy
+
+
+def _tp(loaded: LoadedRecipe, asked: int | None) -> int:
+    from toolkit.bench.experiment import flag_value
+    from toolkit.submission.render import argv
+
+    if asked is not None:
+        if asked < 1:
+            raise ToolkitError(f"--tp {asked}: a tensor-parallel size is 1 or more")
+        return asked
+    served = flag_value(argv(loaded.recipe), "--tensor-parallel-size")
+    return 2 if served is not None and int(served) > 1 else 1
+
+
+def _rundir(request: RehearseRequest) -> Path:
+    if request.output is None:
+        return Path(tempfile.mkdtemp(prefix="toolkit-rehearse-"))
+    out = request.output
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ToolkitError(f"-o {out}: exists and is not an empty folder; the rehearsal writes only into a folder "
+                           "it creates (or an empty one)", hint="give a new path")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def rehearse(request: RehearseRequest) -> Report:
+    """Exit 0 only when every check of every variant holds."""
+    from toolkit.bench import rehearse as bench_rehearse
+    from toolkit.bench.serve import port_in_use
+    from toolkit.inputs import cache_dir
+    from toolkit.runtime import preflight as runtime_preflight
+    from toolkit.runtime import tiny_model
+    from toolkit.runtime.env import runtime
+    from toolkit.submission.render import render
+
+    loaded, found = pinned(load_recipe(request.recipe), request.inputs)
+    variants = [v for v in chosen_variants(loaded, request.variant, request.all_variants)
+                if not request.only or v.name in request.only]
+    if loaded.recipe.model is None and request.model_config is None:
+        raise ToolkitError("rehearse needs the served model's shape for its tiny model",
+                           hint="add a `model:` section to the recipe, or pass --model-config DIR")
+    tp = _tp(loaded, request.tp)
+    if request.port is not None and port_in_use(request.port):
+        raise ToolkitError(f"--port {request.port}: already taken on 127.0.0.1, nothing was started",
+                           hint="stop what listens there, or leave --port out (a free port is chosen)")
+    rundir = _rundir(request)
+    python = runtime()
+    started = time.monotonic()
+    spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config)
+    model = tiny_model.build(spec, python, cache_dir() / "tiny-models")
+    rehearsals = []
+    with tempfile.TemporaryDirectory(prefix="toolkit-rehearse-tree-") as tmp:
+        work = Path(tmp)
+        tree: Tree
+        image: Path | None
+        if request.rootfs is not None and request.apply_to_rootfs:
+            image = work / "image"
+            tree = runtime_preflight.patched_copy(loaded, found, work, request.rootfs,
+                                                  dict(request.inputs.package_roots), image=image)
+        elif request.rootfs is not None:
+            tree = runtime_preflight.given_tree(loaded, request.rootfs, dict(request.inputs.package_roots), work)
+            image = request.rootfs
+        else:
+            image = work / "image"
+            tree = runtime_preflight.patched_copy(loaded, found, work, image=image)
+        print(f"rehearse: {len(variants)} variant(s) on {tree.where}, the tiny model {model}, TP {tp}; "
+              f"logs in {rundir}", file=sys.stderr, flush=True)
+        for variant in variants:
+            name = variant.name
+            recipe = variant.apply(loaded.recipe)
+            run_config = request.run_configs.get(name) or render(recipe, loaded.path.name, name).run_config
+            rehearsals.append(bench_rehearse.rehearse(
+                recipe, name, run_config, tree, python, model, tp, rundir / name, image=image,
+                memory_gb=request.memory_gb or bench_rehearse.DEVICE_MEMORY_GB, port=request.port,
+                only=request.checks))
+    return report(loaded, rehearsals, tree.where, time.monotonic() - started)
+
+
+def report(loaded: LoadedRecipe, rehearsals: list[Rehearsal], where: str, seconds: float) -> Report:
+    """One row per check ([ok]/[FAIL] and why), the substitutions, shims, references and timings as notes."""
+    rows: list[tuple[str, ...]] = []
+    findings: list[Finding] = []
+    notes = [f"rehearsed on {where}, {seconds:.0f} s"]
+    for r in rehearsals:
+        for check in r.checks:
+            rows.append((r.variant, check.name, "[ok]" if check.ok else "[FAIL]", check.detail))
+            if not check.ok:
+                findings.append(Finding(check.name, r.variant, "", check.detail))
+        notes.extend(f"{r.variant}: {s.flag} {s.served if s.served is not None else '(not given)'} -> {s.rehearsed} "
+                     f"({s.why})" for s in r.substitutions)
+        if r.shims:
+            notes.append(f"{r.variant}: device shims (the image's GPU, on this CPU): {', '.join(r.shims)}")
+        if r.references:
+            notes.append(f"{r.variant}: the vendor's GPU library computed by the CPU references: " + ", ".join(
+                f"{name} x{count}" for name, count in sorted(r.references.items())))
+        timing = [f"ready after {r.ready_s:.1f} s" if r.ready_s is not None else "",
+                  f"first token after {r.first_token_s * 1000:.0f} ms" if r.first_token_s is not None else ""]
+        if any(timing):
+            notes.append(f"{r.variant}: on this CPU (no measure of the platform's speed): "
+                         + ", ".join(t for t in timing if t))
+        notes.append(f"{r.variant}: server logs: {', '.join(r.logs)}")
+    good = sum(1 for r in rehearsals if r.ok)
+    notes.append(f"{good} of {len(rehearsals)} variant(s) pass every check" + (
+        "" if good == len(rehearsals) else "; the failed checks say why (exit 1)"))
+    result = Report("rehearse", str(loaded.path), findings=tuple(findings), notes=tuple(notes),
+                    columns=("variant", "check", "result", "detail"), rows=tuple(rows),
+                    extra={"variants": [r.as_json() for r in rehearsals]})
+    return dataclasses.replace(result, exit_code=EXIT_OK if result.ok and good == len(rehearsals) else EXIT_FAILED)
