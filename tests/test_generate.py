@@ -34,7 +34,11 @@ from toolkit.runtime.preflight import emulated_devices
 
 RECIPE = REPO / "recipes" / "bi100-qwen25.yaml"
 HARNESS = REPO / "tests" / "runtime_generate.py"
-TOLERANCE = 1e-3  # float32: the same logprob through the paged decode and through a full prefill
+# float32, the same logprob through the paged decode, a full prefill and transformers' own forward: with the tiny
+# model's 0.15 initializer its logits are large, and the two implementations (vLLM's cached rotary table and
+# transformers' computed one, their summation orders) part by up to 1.02e-3 (measured on the 640-token vocabulary);
+# every mutant below moves a token or a logprob by far more
+TOLERANCE = 2e-3
 # three prompts over 16-token blocks: 37 and 21 tokens (neither ends on a block); with a 32-token budget the first
 # is prefilled in two chunks, its last one in the same step as the second's prefill, then both decode together;
 # the later one shares the first's two full blocks
