@@ -150,9 +150,10 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     """The submission's own server command (the run config's argv and env, with the substitutions printed) on a
     CPU: vLLM's OpenAI server over the patched vendor tree, the vendor's GPU path on CPU tensors, a tiny model of
     the recipe's architecture. It answers a short prompt, the 29-tool workload and a multi-system conversation
-    through the bench client; its loader must write every weight; the prefix cache must change no answer (a server
-    without it, and each request alone, give the same). Exit 0 only when every check holds; the server logs stay
-    in RUNDIR."""
+    through the bench client; its own tool and reasoning parsers split outputs forced into the model family's
+    formats (guided_regex), streamed and not; its probes fill the `toolkit profile` table; its loader must write
+    every weight; the prefix cache must change no answer (a server without it, and each request alone, give the
+    same). Exit 0 only when every check holds; the server logs stay in RUNDIR."""
     return _show(rehearse_cmd.rehearse(rehearse_cmd.RehearseRequest(
         Path(args.recipe), _inputs(args), args.variant, args.all_variants, _path(args.rootfs),
         _path(args.model_config), args.tp, _path(args.output), args.port, args.device_memory_gb,
@@ -370,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gb", type=float, metavar="GB", help="the emulated card's memory the vendor "
                    "sizes the KV cache from (default 0.5: that cache is this machine's memory)")
     p.add_argument("--check", action="append", metavar="NAME", help="run only this request check (repeatable): "
-                   "short, tools, multi-system, prefix-cache; the start and the weights are checked always")
+                   "short, tools, multi-system, parsers (tool and reasoning outputs forced by guided_regex), "
+                   "profile (the TOOLKIT_PROFILE table of the served path), prefix-cache; the start and the weights "
+                   "are checked always")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_rehearse)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import json
 import os
 import re
@@ -20,9 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
-from toolkit.bench import client, experiment, workloads
+from toolkit.bench import client, experiment, sse, workloads
 from toolkit.bench.metrics import RequestRecord
 from toolkit.bench.serve import Server, free_port, port_in_use, stray_processes
 from toolkit.errors import ToolkitError
@@ -31,6 +33,7 @@ from toolkit.markers import read_markers
 from toolkit.recipe import Recipe
 from toolkit.runtime import standins
 from toolkit.runtime.preflight import Tree, emulated_devices
+from toolkit.transforms.probe import Probe
 
 # the tiny model's length: an agent's request (29 tool schemas) is about 7,000 of its tokens
 MAX_MODEL_LEN = 12288
@@ -40,6 +43,7 @@ BATCH_TOKENS = 256
 DEVICE_MEMORY_GB = 0.5
 START_TIMEOUT_S = 600.0
 MAX_TOKENS = 8
+SWAP_SPACE_GB = 0
 TOP_LOGPROBS = 5
 # the servers whose answers are compared (cache on, cache off) compute in float32: in bf16 how a prefill is chunked
 # and batched changes its rounding, and through the MoE router's top-k that can change a token (measured: a bf16
@@ -58,7 +62,9 @@ LONG_SYSTEM = " ".join(f"Rule {i}: the cache keeps block {i} of every prefix tha
                        for i in range(16))
 Say = Callable[[str], None]
 # what --check can choose; the start and the weights are checked whenever a server starts
-REQUEST_CHECKS = ("short", "tools", "multi-system", "prefix-cache")
+REQUEST_CHECKS = ("short", "tools", "multi-system", "parsers", "profile", "prefix-cache")
+# the served server's probes on, for the profile check (no TOOLKIT_PROFILE_SYNC: a CPU computes as it is asked)
+PROFILE_ENV = {"TOOLKIT_PROFILE": "1", "TOOLKIT_PROFILE_EVERY": "8"}
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,10 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
             ("--tensor-parallel-size", str(tp), f"TP {tp} on this CPU"),
             ("--max-model-len", str(MAX_MODEL_LEN), "the tiny model's length"),
             ("--max-num-batched-tokens", str(BATCH_TOKENS if chunked else MAX_MODEL_LEN),
-             "scaled to the tiny model" + (": prefills are chunked" if chunked else ""))]:
+             "scaled to the tiny model" + (": prefills are chunked" if chunked else "")),
+            # each rank allocates and zeroes its swap blocks in this machine's memory (4 GiB by default: about
+            # 20 s of a start and 8 GiB at TP 2); only a preempted group of several sequences swaps
+            ("--swap-space", str(SWAP_SPACE_GB), "the CPU swap blocks scaled to the emulated card")]:
         argv = experiment.set_flag(argv, flag, value)
         if experiment.flag_value(served, flag) != value:
             subs.append(Substitution(flag, experiment.flag_value(served, flag), value, why))
@@ -140,24 +149,34 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
 FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 
-def _writer(tree: Tree, path: Path, lineno: int) -> str | None:
-    """The transform that wrote line `lineno` of `path` (the first step that brought its text in), or for roots
-    patched beforehand the transforms whose markers the file carries."""
+def _writer(tree: Tree, path: Path, lineno: int, whole: frozenset[str]) -> str | None:
+    """The transform that wrote line `lineno` of `path`: the file's steps replayed in order, each line carried
+    through the lines a step kept and credited to the step that brought it in; every line of a file a `whole`
+    transform put in place (a deploy replacing the vendor's file) is that transform's, even one the vendor's file
+    also had. For roots patched beforehand (no steps): the transforms whose markers the file carries."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return None
     if not 0 < lineno <= len(lines) or not lines[lineno - 1].strip():
         return None
-    line = lines[lineno - 1]
-    steps = [step for where, step in tree.steps if where == path]
-    for step in steps:
-        if line in step.after.splitlines() and line not in step.before.splitlines():
-            return step.transform
+    target = path.resolve()
+    steps = [step for where, step in tree.steps if where.resolve() == target]
     if not steps:
         marked = read_markers("\n".join(lines))
         return f"a file edited by {', '.join(marked)}" if marked else None
-    return None
+    credit: list[str | None] = [None] * len(steps[0].before.splitlines())
+    for step in steps:
+        before, after = step.before.splitlines(), step.after.splitlines()
+        if step.transform in whole or len(credit) != len(before):
+            credit = [step.transform] * len(after)
+            continue
+        carried: list[str | None] = []
+        for op, b0, b1, a0, a1 in difflib.SequenceMatcher(None, before, after, autojunk=False).get_opcodes():
+            carried += credit[b0:b1] if op == "equal" else [step.transform] * (a1 - a0)
+        credit = carried
+    # a file changed since its steps were planned: no line can be credited
+    return credit[lineno - 1] if len(credit) == len(lines) else None
 
 
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exit)\b:?")
@@ -186,10 +205,10 @@ def _blocks(lines: list[str]) -> list[tuple[str, list[re.Match[str]]]]:
     return out
 
 
-def locate(log: str, tree: Tree) -> str:
+def locate(log: str, tree: Tree, whole: frozenset[str] = frozenset()) -> str:
     """The cause of a failed start, from a server's log: the first traceback that is not the server reporting its
     engine's death, each of its frames inside the patched trees as file:line (and the transform that wrote the line,
-    where one did), and the error it ended in."""
+    where one did; `whole`: the transforms that put whole files in place), and the error it ended in."""
     blocks = _blocks(log.splitlines())
     if not blocks:
         errors = [line.strip() for line in log.splitlines() if ERROR_LINE.match(line.strip())]
@@ -201,7 +220,7 @@ def locate(log: str, tree: Tree) -> str:
         root = next((p for p in tree.paths if path.is_relative_to(p)), None)
         if root is None:
             continue
-        writer = _writer(tree, path, int(match["line"]))
+        writer = _writer(tree, path, int(match["line"]), whole)
         shown.append(f"  {path.relative_to(root).as_posix()}:{match['line']} in {match['func']}"
                      + (f"  (written by {writer})" if writer else ""))
     last = blocks[-1][0]
@@ -234,9 +253,10 @@ class StartFailed(Exception):
 
 @contextlib.contextmanager
 def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: int | None = None,
-            dtype: str | None = None) -> Iterator[tuple[Server, list[str]]]:
-    """A server of the run config (with prefix caching switched as asked, and another dtype if asked), ready,
-    stopped (its whole group) at the end whatever happens; its log and its stand-ins record in the run folder."""
+            dtype: str | None = None, extra: dict[str, str] | None = None) -> Iterator[tuple[Server, list[str]]]:
+    """A server of the run config (with prefix caching switched as asked, another dtype and more env if asked),
+    ready, stopped (its whole group) at the end whatever happens; its log and its stand-ins record in the run
+    folder."""
     port = port or free_port()
     if port_in_use(port):
         raise ToolkitError(f"port {port} is already taken on 127.0.0.1: the rehearsal's server cannot listen there",
@@ -261,7 +281,7 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
                 **standins.environment(cache_dir() / "runtime", stage.recipe.base_image.gpu_library_names,
                                        stage.tree.paths, stage.recipe.base_image.absent_modules, devices,
                                        cpu_device=True),
-                standins.RECORD_ENV: str(record)}
+                standins.RECORD_ENV: str(record), **(extra or {})}
     log = stage.rundir / f"{name}.log"
     served_name = experiment.flag_value(argv, "--served-model-name") or str(stage.model)
     server = Server(argv, full_env, cwd=stage.rundir, log_path=log, url=f"http://127.0.0.1:{port}",
@@ -275,7 +295,8 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
         except ToolkitError:
             server.stop()
             text = log.read_text(encoding="utf-8", errors="replace") if log.is_file() else ""
-            raise StartFailed(locate(text, stage.tree)) from None
+            raise StartFailed(locate(text, stage.tree, whole=frozenset(
+                t.id for t in stage.recipe.transforms if t.kind == "deploy"))) from None
         stage.say(f"rehearse: the {name} server is ready after {ready:.1f} s")
         if stage.rehearsal.ready_s is None:
             stage.rehearsal.ready_s = ready
@@ -411,6 +432,159 @@ def _multi_system(stage: Stage, server: Server, argv: list[str], reasoning: bool
         f"prompt_tokens {record.prompt_tokens} = the rendering's, which holds every system message"))
 
 
+# -- the parsers, on what the server itself generated ------------------------------------------------------------
+# A random model emits no tool call: guided decoding (vLLM 0.6.3's `guided_regex`, through outlines) forces the
+# tiny model's output into the model family's formats, so the registered parsers parse the server's own tokens.
+
+@dataclass(frozen=True)
+class Forced:
+    """One forced output and what the client must get from it: the reasoning, ended by `</think>` unless the output
+    has nothing after it (then it never ends), the content after it, the tool calls (name, arguments)."""
+
+    name: str
+    reasoning: str
+    content: str
+    calls: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+    def text(self, reasoning_on: bool) -> str:
+        body = self.content + "".join(_call_text(n, a) for n, a in self.calls)
+        if not reasoning_on:
+            return body
+        return f"{self.reasoning}</think>\n\n{body}" if body else self.reasoning
+
+    def expected(self, reasoning_on: bool) -> dict[str, Any]:
+        if not reasoning_on:
+            return {"reasoning": "", "content": self.content.strip(), "calls": [list(c) for c in self.calls]}
+        return {"reasoning": self.reasoning.strip(), "content": self.content.strip(),
+                "calls": [list(c) for c in self.calls]}
+
+
+def _call_text(name: str, arguments: dict[str, Any]) -> str:
+    params = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>\n"
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches only it (outlines' regex dialect: newlines as \n, metacharacters escaped)."""
+    return "".join("\\n" if c == "\n" else ("\\" + c if c in ".^$*+?{}[]|()\\" else c) for c in text)
+
+
+def forced_outputs(tools: list[dict[str, Any]]) -> list[Forced]:
+    """A tool call, two tool calls, a call whose argument holds XML-like text, reasoning that ends in `</think>`
+    and reasoning that does not end; the arguments typed by the tools' schemas (an integer, a string)."""
+    def keys(tool: dict[str, Any]) -> tuple[str, str, str]:
+        props = tool["function"]["parameters"]["properties"]
+        number = next(k for k, v in props.items() if v.get("type") == "integer")
+        return tool["function"]["name"], number, next(k for k, v in props.items() if v.get("type") == "string")
+
+    (first, n1, s1), (second, n2, s2) = keys(tools[0]), keys(tools[1])
+    return [
+        Forced("a tool call", "The user wants the weather.", "", ((first, {n1: 7, s1: "Paris"}),)),
+        Forced("two tool calls", "Two tools are needed.", "", ((first, {n1: 1, s1: "Oslo"}),
+                                                                (second, {n2: 2, s2: "Rome"}))),
+        Forced("an argument holding XML-like text", "The argument is markup.", "",
+               ((first, {n1: 3, s1: "<b>bold</b> & <i>x</i>"}),)),
+        Forced("reasoning ending in </think>", "Two and two.", "The answer is 4."),
+        Forced("reasoning with no end", "Still thinking about it", ""),
+    ]
+
+
+async def _non_streamed(server: Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The same requests with `stream: false`, all at once: what a client gets from the non-streaming path."""
+    async def one(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await http.post(server.url.rstrip("/") + "/v1/chat/completions",
+                                       json={**body, "model": server.model, "stream": False})
+        except httpx.HTTPError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        if response.status_code != 200:
+            return {"error": f"HTTP {response.status_code}: {response.text[:300]}"}
+        payload = response.json()
+        calls: list[dict[str, Any]] = []
+        sse.join_tool_calls(calls, payload)
+        message = (payload.get("choices") or [{}])[0].get("message") or {}
+        return _got(sse.reasoning_of(payload), message.get("content") or "", calls)
+
+    async with httpx.AsyncClient(timeout=300) as http:
+        return list(await asyncio.gather(*(one(http, body) for body in bodies)))
+
+
+def _got(reasoning: str, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a client reads: the texts stripped, each call's arguments parsed as JSON (unparsable: kept as text)."""
+    parsed: list[list[Any]] = []
+    for call in calls:
+        try:
+            parsed.append([call["name"], json.loads(call["arguments"])])
+        except ValueError:
+            parsed.append([call["name"], f"(not JSON) {call['arguments']}"])
+    return {"reasoning": reasoning.strip(), "content": content.strip(), "calls": parsed}
+
+
+def _parsers(stage: Stage, server: Server, served: list[str], reasoning_on: bool) -> Check:
+    tool_parser = experiment.flag_value(served, "--tool-call-parser")
+    tools_on = "--enable-auto-tool-choice" in served and tool_parser is not None
+    if not reasoning_on and not tools_on:
+        return Check("parsers", True, "the run config serves neither a tool parser nor a reasoning parser")
+    # the two tools called (the 29-schema prompt is the tools check's): the parser types arguments by them
+    tools = workloads.tool_schemas()[:2]
+    cases = [c for c in forced_outputs(tools) if (tools_on or not c.calls) and (reasoning_on or c.content or c.calls)]
+    bodies = {}
+    for case in cases:
+        text = case.text(reasoning_on)
+        bodies[case.name] = {
+            "messages": [{"role": "user", "content": "What is the weather in Paris, and in Oslo?"}],
+            **({"tools": tools, "tool_choice": "auto"} if tools_on else {}),
+            # one token a byte at worst, and the end of sequence
+            "guided_regex": _literal(text), "max_tokens": len(text.encode()) + 8, "temperature": 0}
+    records = _send(stage, server, [client.Conversation(name, body=body) for name, body in bodies.items()],
+                    len(bodies), "parsers")
+    by_name = {r.conversation: r for r in records}
+    wholes = asyncio.run(_non_streamed(server, list(bodies.values())))
+    problems = []
+    for case, whole in zip(cases, wholes, strict=True):
+        want = case.expected(reasoning_on)
+        record = by_name[case.name]
+        streamed = (_got(record.reasoning, record.reply, record.tool_calls) if record.ok
+                    else {"error": f"HTTP {record.status}: {record.failure}: {record.message}"})
+        for how, got in (("streamed", streamed), ("not streamed", whole)):
+            if got != want:
+                problems.append(f"{case.name}, {how}: got {got}, expected {want}")
+    if not tools_on:
+        skipped = "; the tool-call cases not sent: the run config has no --enable-auto-tool-choice/--tool-call-parser"
+    else:
+        skipped = ""
+    parsers = " and the ".join(p for p in (f"tool parser {tool_parser}" if tools_on else "",
+                                    f"reasoning parser {experiment.flag_value(served, '--reasoning-parser')}"
+                                    if reasoning_on else "") if p)
+    return Check("parsers", not problems, "; ".join(problems) or (
+        f"{len(cases)} outputs forced by guided_regex ({', '.join(c.name for c in cases)}), streamed and not: "
+        f"the {parsers} split them as the client expects{skipped}"))
+
+
+def profile_check(recipe: Recipe, folder: Path) -> Check:
+    """The `toolkit profile` table of the served server's requests (written beside its records): every declared
+    probe region it reached, per bucket, and the declared ones it did not reach."""
+    from toolkit.bench.profile import load, tables, text_table
+
+    declared = [t.region for t in recipe.transforms if isinstance(t, Probe)]
+    if not declared:
+        return Check("profile", True, "the recipe declares no probe")
+    if not sorted(folder.glob("profile-*.jsonl")):
+        return Check("profile", False, f"the served server ran with TOOLKIT_PROFILE=1 and wrote no record in {folder}"
+                     f": its code carries none of the {len(declared)} declared probes")
+    buckets = tables(load([folder]))
+    (folder / "profile.txt").write_text(text_table(buckets), encoding="utf-8")
+    reached = {bucket: {row["region"] for row in rows} for bucket, rows in buckets.items()}
+    problems = [f"no {b} step was profiled" for b in ("decode", "prefill") if not reached.get(b)]
+    seen = set().union(*reached.values()) if reached else set()
+    unreached = [r for r in declared if r not in seen]
+    shown = ", ".join(f"{b}: {len(reached[b] & set(declared))} of {len(declared)} declared regions"
+                      for b in reached)
+    said = f"not reached: {', '.join(unreached)}" if unreached else "every declared region reached"
+    return Check("profile", not problems, "; ".join([*problems, said]) if problems else
+                 f"{shown}; {said}; the table: {folder / 'profile.txt'}")
+
+
 def conversations() -> list[client.Conversation]:
     """Two conversations of three turns, each prompt longer than the batch-token budget (chunked prefill beside
     the other's decodes), the later turns repeating the earlier ones' blocks."""
@@ -516,8 +690,10 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
     served = [str(item) for item in (yaml.safe_load(run_config).get("command") or [])]
     reasoning = experiment.flag_value(served, "--reasoning-parser") is not None
     caching = "--enable-prefix-caching" in served
+    profiled = stage.rundir / "profile"
     try:
-        with _server(stage, "served", port=port) as (server, argv):
+        with _server(stage, "served", port=port, extra={**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(profiled)}
+                     if "profile" in wanted else None) as (server, argv):
             rehearsal.checks.append(Check("start", True, f"ready after {rehearsal.ready_s:.1f} s, TP {tp}"))
             if "short" in wanted:
                 [short] = _send(stage, server, [client.Conversation(
@@ -530,9 +706,13 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
                                                   "schemas with tool_choice auto"))
             if "multi-system" in wanted:
                 rehearsal.checks.append(_multi_system(stage, server, argv, reasoning))
+            if "parsers" in wanted:
+                rehearsal.checks.append(_parsers(stage, server, served, reasoning))
     except StartFailed as failed:
         rehearsal.checks.append(Check("start", False, f"the server did not start: {failed}"))
         return rehearsal
+    if "profile" in wanted:
+        rehearsal.checks.append(profile_check(recipe, profiled))
     if "prefix-cache" not in wanted:
         return rehearsal
     if not caching:
