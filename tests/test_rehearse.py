@@ -175,8 +175,11 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     [variant] = data["variants"]
     print(json.dumps({k: variant[k] for k in ("checks", "cache_hit_rate", "ready_s", "first_token_s")}, indent=1))
     checks = _checks(report)
-    assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "weights", "cache-hits",
+    assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
                            "prefix-cache"}
+    # the server's own parsers split each forced output; its probes reached every declared region
+    assert checks["parsers"]["detail"].startswith("5 outputs forced by guided_regex"), checks["parsers"]
+    assert "every declared region reached" in checks["profile"]["detail"], checks["profile"]
     # every later turn hitting the cache is the one check the flagship fails (test below, strict xfail)
     assert not [c for name, c in checks.items() if not c["ok"] and name != "cache-hits"], checks
     assert variant["tp"] == 2
