@@ -220,6 +220,19 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _trees_options(p: argparse.ArgumentParser, model_config: str) -> None:
+    """What preflight and rehearse both take: the recipe, its variants, and the trees and model they run on."""
+    p.add_argument("recipe", help="the recipe YAML")
+    p.add_argument("--variant", metavar="NAME", help="one variant (see `toolkit variants`); default: the base")
+    p.add_argument("--all-variants", action="store_true", help="every variant of the recipe, one after another")
+    p.add_argument("--rootfs", metavar="DIR", help="vendor roots the recipe was applied to (default: a copy of the "
+                   "CoreX-like reference tree with the recipe applied, made for this run)")
+    p.add_argument("--source", action="append", metavar="NAME=PATH[@COMMIT]", help=SOURCE_HELP)
+    p.add_argument("--package-root", action="append", metavar="NAME=DIR", help="with --rootfs: where a declared "
+                   "package (e.g. transformers) is")
+    p.add_argument("--model-config", metavar="DIR", help=model_config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="toolkit",
@@ -337,31 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("preflight", help="run each variant's argv through the patched vLLM's own parser and config "
                        "code on a CPU (accelerators emulated); exit 2 if a variant cannot start",
                        description=cmd_preflight.__doc__ or None)
-    p.add_argument("recipe", help="the recipe YAML")
-    p.add_argument("--variant", metavar="NAME", help="one variant (see `toolkit variants`); default: the base")
-    p.add_argument("--all-variants", action="store_true", help="every variant of the recipe")
-    p.add_argument("--rootfs", metavar="DIR", help="vendor roots the recipe was applied to (default: a copy of the "
-                   "CoreX-like reference tree with the recipe applied, made for this run)")
-    p.add_argument("--source", action="append", metavar="NAME=PATH[@COMMIT]", help=SOURCE_HELP)
-    p.add_argument("--package-root", action="append", metavar="NAME=DIR", help="with --rootfs: where a declared "
-                   "package (e.g. transformers) is")
-    p.add_argument("--model-config", metavar="DIR", help="a folder with the served model's config.json (default: "
-                   "generated from the recipe's model: section)")
+    _trees_options(p, model_config="a folder with the served model's config.json (default: generated from the "
+                   "recipe's model: section)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_preflight)
 
     p = sub.add_parser("rehearse", help="start the submission's own server command on a CPU (tiny model, the "
                        "vendor's GPU path on CPU tensors) and check it answers the official requests",
                        description=cmd_rehearse.__doc__ or None)
-    p.add_argument("recipe", help="the recipe YAML")
-    p.add_argument("--variant", metavar="NAME", help="one variant (see `toolkit variants`); default: the base")
-    p.add_argument("--all-variants", action="store_true", help="every variant of the recipe, one after another")
-    p.add_argument("--rootfs", metavar="DIR", help="vendor roots the recipe was applied to (default: a copy of the "
-                   "CoreX-like reference tree with the recipe applied, made for this run)")
-    p.add_argument("--source", action="append", metavar="NAME=PATH[@COMMIT]", help=SOURCE_HELP)
-    p.add_argument("--package-root", action="append", metavar="NAME=DIR", help="with --rootfs: where a declared "
-                   "package (e.g. transformers) is")
-    p.add_argument("--model-config", metavar="DIR", help="the served model's config.json and, when there, its "
+    _trees_options(p, model_config="the served model's config.json and, when there, its "
                    "model.safetensors.index.json: the tiny model takes its shape ratios and its tensor names")
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default: 2 where the recipe serves "
                    "TP > 1, so the TP path runs; each rank is a process on this CPU)")

@@ -64,7 +64,7 @@ Say = Callable[[str], None]
 # what --check can choose; the start and the weights are checked whenever a server starts
 REQUEST_CHECKS = ("short", "tools", "multi-system", "parsers", "profile", "prefix-cache")
 # the served server's probes on, for the profile check (no TOOLKIT_PROFILE_SYNC: a CPU computes as it is asked)
-PROFILE_ENV = {"TOOLKIT_PROFILE": "1", "TOOLKIT_PROFILE_EVERY": "8"}
+PROFILE_ENV = {k: v for k, v in experiment.PROFILE_ENV.items() if k != "TOOLKIT_PROFILE_SYNC"}
 
 
 @dataclass(frozen=True)
