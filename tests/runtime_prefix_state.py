@@ -184,11 +184,11 @@ def reused(engine):
 
 
 def chunked(engine):
-    """Chunked prefill of 32-token chunks across (c)'s hit, with a checkpoint every block: each chunk skips up to
-    the last checkpoint strictly inside it and carries its state to the next."""
+    """Chunked prefill of 32-token chunks across (c)'s hit, with a checkpoint every block: the first chunk starts at
+    the hit's last checkpoint (96) and carries its state to the next two."""
     engine.add("A", A, 4)
     engine.run()
-    engine.add("X", A[:96] + prompt(3, 14), 6)
+    engine.add("X", A[:96] + prompt(3, 50), 6)
     engine.run()
 
 

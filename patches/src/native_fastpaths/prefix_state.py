@@ -4,11 +4,11 @@ vLLM 0.6.3 does not compute a prefix hit's tokens again: the model runner feeds 
 linear-attention layer sees the prefix only through the recurrent state it starts from. That state must be the
 state after exactly the cached tokens. This module makes it so, in three places:
 
-- the scheduler (`begin_schedule`, `limit_hit`, `attach`): a hit is cut back to the longest prefix with an exact
-  checkpoint (the rest is recomputed), and each prefill chunk gets a plan: which checkpoint it restores, at which
-  block boundaries it captures one, which it evicts. Checkpoints are keyed by (blocks, the chained content hash
-  of those blocks), the hash vLLM's prefix cache uses, never by physical block ids (they are reused after an
-  eviction). The registry of checkpoints is bounded (PREFIX_STATE_CHECKPOINTS) and lives with the scheduler;
+- the scheduler (`begin_schedule`, `limit_hit`, `attach`): a prefill chunk starts at the last exact checkpoint
+  its hit reaches (the rest of the hit is recomputed), and each prefill chunk gets a plan: which checkpoint it
+  restores, at which block boundaries it captures one, which it evicts. Checkpoints are keyed by (blocks, the
+  chained content hash of those blocks), the hash vLLM's prefix cache uses, never by physical block ids (they are
+  reused after an eviction). The registry of checkpoints is bounded (PREFIX_STATE_CHECKPOINTS) and lives with the scheduler;
   the workers only do what the plans say, so scheduler and workers agree on what exists.
 - the model runner (`with_plan`, `begin_step`): the plan per batch row travels in the model input, broadcast to
   every tensor-parallel rank.
@@ -112,33 +112,46 @@ def _chain(seq_group: Any, seq: Any, blocks: int, block_size: int) -> list[int]:
     return cached
 
 
-def limit_hit(scheduler: Any, seq_group: Any, computed_block_nums: list[int], token_chunk_size: int) -> list[int]:
-    """After get_common_computed_block_ids: the blocks this prefill chunk may skip, cut back to the longest prefix
-    with an exact checkpoint, and the chunk's plan (kept on the sequence group for `attach`)."""
+def limit_hit(scheduler: Any, scheduled: Any, computed_block_nums: list[int]) -> tuple[list[int], int]:
+    """After get_common_computed_block_ids: the blocks this prefill chunk may skip and the chunk's size.
+
+    The chunk first jumps to the last checkpoint the hit reaches (the sequence's computed tokens advance to it, the
+    chunk keeps its size, less where the prompt ends sooner): vLLM 0.6.3's scheduler budgets a chunk from the
+    computed tokens on, and a hit inside a chunk is only skipped up to a checkpoint in that chunk, so without the
+    jump every chunk before the one holding a checkpoint would be recomputed. Then the hit is cut back to the
+    longest prefix with an exact checkpoint (the rest is recomputed), and the chunk's plan is kept on the sequence
+    group for `attach`. Both the ScheduledSequenceGroup and the returned size carry the new chunk size (the engine
+    advances the computed tokens by the metadata's)."""
+    seq_group, token_chunk_size = scheduled.seq_group, scheduled.token_chunk_size
     seq_group._prefix_state_plan = None
     if not seq_group.is_prefill():
-        return computed_block_nums
+        return computed_block_nums, token_chunk_size
     seq = seq_group.get_seqs()[0]
     block_size = scheduler.cache_config.block_size
     context = seq.data.get_num_computed_tokens()
-    end = context + token_chunk_size
     hit = len(computed_block_nums)
     if not enabled():
         seq_group._prefix_state_skipped = 0
-        return list(computed_block_nums[:context // block_size])
+        return list(computed_block_nums[:context // block_size]), token_chunk_size
     registry = _registry(scheduler)
-    chain = _chain(seq_group, seq, max(hit, end // block_size), block_size)
+    length = seq.data.get_len()
+    chain = _chain(seq_group, seq, max(hit, (context + token_chunk_size) // block_size), block_size)
 
     start, restore = context, None
-    # the runner computes only the last token when a hit covers the whole chunk: a checkpoint must lie inside it
-    for blocks in range(min(hit, (end - 1) // block_size), context // block_size, -1):
+    # at least one token stays to compute: the runner recomputes the last token of a chunk the hit covers whole
+    # and writes its KV, which needs the state right before it (no checkpoint holds that)
+    for blocks in range(min(hit, (length - 1) // block_size), context // block_size, -1):
         key = (blocks, chain[blocks - 1])
         if key in registry.ready:
             start, restore = blocks * block_size, key
             registry.use(key)
             break
+    if start > context:
+        seq.data.update_num_computed_tokens(start - context)
+        token_chunk_size = scheduled.token_chunk_size = min(token_chunk_size, length - start)
+    end = start + token_chunk_size
 
-    prompt_end = (seq.data.get_len() // block_size) * block_size
+    prompt_end = (length // block_size) * block_size
     interval = switches.count(INTERVAL)
     if interval % block_size:
         raise ValueError(f"{INTERVAL}={interval} is not a multiple of the block size {block_size}: its capture "
@@ -146,6 +159,7 @@ def limit_hit(scheduler: Any, seq_group: Any, computed_block_nums: list[int], to
     points = {prompt_end, hit * block_size}
     if interval:
         points.update(range(interval, end + 1, interval))
+    chain = _chain(seq_group, seq, end // block_size, block_size)
     captures, evict = [], []
     for point in sorted(p for p in points if start < p <= end and p % block_size == 0):
         key = (point // block_size, chain[point // block_size - 1])
@@ -156,10 +170,10 @@ def limit_hit(scheduler: Any, seq_group: Any, computed_block_nums: list[int], to
         captures.append((point, key))
     seq_group._prefix_state_plan = {
         "switch": switches.value(SWITCH), "start": start, "restore": restore, "captures": captures, "evict": evict,
-        "fresh": start == 0, "carry_in": start == context > 0, "carry_out": end < seq.data.get_len(),
+        "fresh": start == 0, "carry_in": start == context > 0, "carry_out": end < length,
     }
     seq_group._prefix_state_skipped = getattr(seq_group, "_prefix_state_skipped", 0) + start - context
-    return list(computed_block_nums[:start // block_size])
+    return list(computed_block_nums[:start // block_size]), token_chunk_size
 
 
 def attach(seq_group: Any, seq_group_metadata: Any) -> None:
