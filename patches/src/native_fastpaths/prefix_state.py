@@ -8,8 +8,8 @@ state after exactly the cached tokens. This module makes it so, in three places:
   its hit reaches (the rest of the hit is recomputed), and each prefill chunk gets a plan: which checkpoint it
   restores, at which block boundaries it captures one, which it evicts. Checkpoints are keyed by (blocks, the
   chained content hash of those blocks), the hash vLLM's prefix cache uses, never by physical block ids (they are
-  reused after an eviction). The registry of checkpoints is bounded (PREFIX_STATE_CHECKPOINTS) and lives with the scheduler;
-  the workers only do what the plans say, so scheduler and workers agree on what exists.
+  reused after an eviction). The registry of checkpoints is bounded (PREFIX_STATE_CHECKPOINTS) and lives with
+  the scheduler; the workers only do what the plans say, so scheduler and workers agree on what exists.
 - the model runner (`with_plan`, `begin_step`): the plan per batch row travels in the model input, broadcast to
   every tensor-parallel rank.
 - the adapter's GatedDeltaNet layer (`gdn_forward`, dispatched from the top of `GatedDeltaNet.forward`): each
