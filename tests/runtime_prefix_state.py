@@ -192,9 +192,24 @@ def chunked(engine):
     engine.run()
 
 
+def evicted(engine):
+    """A's blocks are evicted (F fills the pool) while A's checkpoint at 96 stays; C refills A's first 6 block
+    hashes, runs one 32-token chunk and is aborted: vLLM's v2 block manager keeps C's blocks as computed, so X's hit
+    covers 6 blocks of which C wrote 2. Restoring A's checkpoint there would skip KV nobody wrote."""
+    engine.add("A", A, 1)
+    engine.run()
+    engine.add("F", prompt(15, 250), 1)
+    engine.run()
+    engine.add("C", A[:96] + prompt(16, 50), 1)
+    engine.step()
+    engine.scheduler.abort_seq_group("C")
+    engine.add("X", A[:96] + prompt(3, 14), 6)
+    engine.run()
+
+
 CASES = {"control": (control, {}), "exact": (exact, {}), "shared": (shared, {}), "mixed": (mixed, {}),
          "reused": (reused, {"blocks": 4}), "chunked": (chunked, {"budget": 32, "interval": 16}),
-         "switched-off": (exact, {"switch": "0"})}
+         "switched-off": (exact, {"switch": "0"}), "evicted": (evicted, {"blocks": 17, "budget": 32})}
 
 
 def conversations(engine, sessions=4, turns=3, concurrency=2):

@@ -546,3 +546,24 @@ def test_a_worker_that_reads_another_prefix_state_refuses_the_plan(monkeypatch: 
     prefix_state.begin_step(plan)
     assert prefix_state._rows == plan["rows"]
     prefix_state.begin_step(None)
+
+
+def test_an_evicted_block_drops_every_checkpoint_over_it_and_the_workers_learn_it_once() -> None:
+    """The allocator's eviction of one content hash drops the checkpoints whose chain holds it (ready or pending),
+    and no other; the dropped keys go with the next plan, except one captured again before it was sent."""
+    from native_fastpaths import prefix_state
+
+    registry = prefix_state.Registry(8)
+    assert registry.add((2, 12), (11, 12)) == [] and registry.add((3, 13), (11, 12, 13)) == []
+    registry.next_pass()
+    assert registry.add((1, 21), (21,)) == []  # pending in this pass
+    prefix_state.evicted(12)
+    assert list(registry.ready) == [] and list(registry.pending) == [(1, 21)]
+    assert sorted(registry.take_dropped()) == [(2, 12), (3, 13)] and registry.take_dropped() == []
+    assert 11 not in registry.holders and registry.holders == {21: {(1, 21)}}
+    prefix_state.evicted(21)
+    registry.next_pass()
+    assert registry.add((1, 21), (21,)) == []  # captured again before the drop reached the workers
+    assert registry.take_dropped() == [] and list(registry.pending) == [(1, 21)]
+    prefix_state.evicted(99)  # a hash no checkpoint covers
+    assert list(registry.pending) == [(1, 21)]

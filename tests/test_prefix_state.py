@@ -21,7 +21,7 @@ from test_preflight import recipe_copy, runtime_env
 from toolkit.cli import main
 from toolkit.runtime.env import runtime
 
-CASES = ("control", "exact", "shared", "mixed", "reused", "chunked", "switched-off")
+CASES = ("control", "exact", "shared", "mixed", "reused", "chunked", "switched-off", "evicted")
 TOLERANCE = 1e-4  # the same tokens computed in different batch shapes: float32 rounding, nothing more
 
 
@@ -79,7 +79,8 @@ def test_prefix_state_the_flagship_serves_the_same_tokens(fixed: dict[str, Any])
     # what was skipped, exactly: A's checkpoint at its prompt's last block boundary; none at 48 tokens yet; G's at
     # 16; in 32-token chunks, the whole hit too (the first chunk starts at its last checkpoint, not at token 0)
     assert {n: fixed[n]["cached_tokens"] for n in CASES} == {
-        "control": 0, "exact": 96, "shared": 0, "mixed": 96, "reused": 16, "chunked": 96, "switched-off": 0}
+        "control": 0, "exact": 96, "shared": 0, "mixed": 96, "reused": 16, "chunked": 96, "switched-off": 0,
+        "evicted": 16}
     assert all(fixed[n]["checkpoint_bytes"] > 0 for n in CASES if n != "switched-off")
     assert fixed["switched-off"]["checkpoint_bytes"] == 0  # PREFIX_STATE=0: no hit, nothing captured
 

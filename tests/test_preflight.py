@@ -78,7 +78,7 @@ def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, stand
     assert all(s["ok"] for s in base.values()), base
     assert base["architecture"]["message"].endswith("vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM")
     assert base["tool-parser"]["ok"] and base["reasoning-parser"]["ok"]
-    assert base["prefix-state"]["message"] == "the 6 prefix-state hooks are in the patched tree"
+    assert base["prefix-state"]["message"] == "the 7 prefix-state hooks are in the patched tree"
     assert variants["base"]["config"]["enforce_eager"] is True  # the flag is passed, and it now counts
     refused = {name for name, v in variants.items() if not v["starts"]}
     assert refused == {name for name in variants if "ecp-false" in name}

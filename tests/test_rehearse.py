@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import yaml
 from conftest import FLAGSHIP, REPO
+from test_prefix_state import without_prefix_state
+from test_preflight import recipe_copy
 
 from toolkit.bench import rehearse, workloads
 from toolkit.bench.serve import stray_processes
@@ -234,6 +236,20 @@ def test_a_template_that_keeps_only_a_leading_system_message_fails_the_multi_sys
     assert not checks["multi-system"]["ok"]
     assert "the served template's rendering lacks system message(s) [2, 3] of 3" in checks["multi-system"]["detail"]
     assert set(checks) == {"start", "multi-system", "weights"}
+
+
+def test_the_prefix_state_transforms_removed_change_the_tokens_with_the_cache_on(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    """The adapter as pinned (its block-id GatedDeltaNet state LRU): the conversations served with the prefix cache
+    differ from those served without it (TP 1: the state goes wrong on one rank as on two)."""
+    recipe = recipe_copy(tmp_path / "recipe", without_prefix_state)
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("prefix-cache",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"] and checks["weights"]["ok"], checks
+    assert not checks["prefix-cache"]["ok"], checks["prefix-cache"]
+    assert "answers differ from those served without the prefix cache" in checks["prefix-cache"]["detail"]
+    assert stray_processes() == []
 
 
 def test_the_tool_parser_unregistered_fails_the_start_with_the_vendors_error_located(

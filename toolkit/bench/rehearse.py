@@ -352,12 +352,16 @@ def _send(stage: Stage, server: Server, conversations: list[client.Conversation]
     return records
 
 
-def _problems(record: RequestRecord, reasoning: bool) -> list[str]:
+def _problems(record: RequestRecord, reasoning: bool, visible: bool = True) -> list[str]:
+    """What is wrong with one answer; `visible`: its text must be streamed too (a random model's tokens may all
+    decode to nothing, which a comparison of tokens does not mind)."""
     if not record.ok:
         return [f"HTTP {record.status}: {record.failure}: {record.message}"]
     problems = []
-    if not record.content_times:
-        problems.append("no token was streamed")
+    if visible and not record.content_times:
+        problems.append("no text was streamed")
+    if not visible and len(record.logprobs) != MAX_TOKENS:
+        problems.append(f"{len(record.logprobs)} tokens came with logprobs, {MAX_TOKENS} were asked for")
     if record.completion_tokens != MAX_TOKENS:
         problems.append(f"usage counts {record.completion_tokens} completion tokens, {MAX_TOKENS} were asked for "
                         "(ignore_eos)")
@@ -606,6 +610,10 @@ def _tie(a: RequestRecord, b: RequestRecord) -> tuple[int, float] | None:
     return (j, gap) if gap <= TIE_NATS else None
 
 
+def _tokens(record: RequestRecord) -> list[str]:
+    return [t["token"] for t in record.logprobs]
+
+
 def compare(mine: list[RequestRecord], theirs: list[RequestRecord]) -> tuple[list[str], list[str]]:
     """(answers that differ, answers that part at a near-tie) between two runs of the conversations; after a
     near-tie a conversation's later turns are not compared (their prompts hold the other reply)."""
@@ -618,7 +626,7 @@ def compare(mine: list[RequestRecord], theirs: list[RequestRecord]) -> tuple[lis
             continue
         if o is None or not (r.ok and o.ok):
             differ.append(f"{name} (a request failed)")
-        elif (r.reasoning, r.reply, r.tool_calls) != (o.reasoning, o.reply, o.tool_calls):
+        elif (r.reasoning, r.reply, r.tool_calls, _tokens(r)) != (o.reasoning, o.reply, o.tool_calls, _tokens(o)):
             tie = _tie(r, o)
             if tie is None:
                 differ.append(name)
@@ -648,7 +656,7 @@ def _prefix_cache(cached: list[RequestRecord], other: Callable[[], tuple[list[Re
                   list[RequestRecord]]]) -> Check:
     """The conversations' answers with the prefix cache on (two at a time) equal those of a fresh server without
     it, two at a time and one at a time: the cache changes no token and no request borrows another's state."""
-    problems = [f"{r.conversation} turn {r.turn}: {p}" for r in cached for p in _problems(r, False)]
+    problems = [f"{r.conversation} turn {r.turn}: {p}" for r in cached for p in _problems(r, False, visible=False)]
     short = [r for r in cached if r.ok and r.prompt_tokens <= BATCH_TOKENS]
     if short:
         problems.append(f"{len(short)} prompt(s) not longer than the {BATCH_TOKENS}-token budget: nothing chunked")

@@ -27,6 +27,7 @@ Imports only the standard library and torch; vLLM is imported inside the functio
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -51,13 +52,23 @@ def enabled() -> bool:
 
 class Registry:
     """The checkpoints that exist (or will after this step), least recently used first. A key captured in this
-    scheduling pass becomes restorable from the next one: the workers capture it during this step."""
+    scheduling pass becomes restorable from the next one: the workers capture it during this step.
+
+    Each key remembers the content hashes of its blocks: when vLLM's prefix cache evicts one of them, the key is
+    dropped (`evicted`). vLLM 0.6.3's v2 block manager marks a cached block computed at the end of the pass that
+    allocated it, before the chunk that writes it runs (and keeps a freed, never-written block as computed), so
+    after an eviction a later request may refill the same hash and a hit may cover KV nobody wrote yet; a
+    checkpoint over blocks that never left the cache guarantees the KV it skips is the KV it was captured with."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.ready: OrderedDict[Key, None] = OrderedDict()
         self.pending: OrderedDict[Key, None] = OrderedDict()
         self.pinned: set[Key] = set()
+        self.chains: dict[Key, tuple[int, ...]] = {}
+        self.holders: dict[int, set[Key]] = {}
+        self.dropped: list[Key] = []  # dropped for an evicted block; the workers learn it with the next plan
+        _REGISTRIES.add(self)
 
     def next_pass(self) -> None:
         self.ready.update(self.pending)
@@ -68,7 +79,7 @@ class Registry:
         self.ready.move_to_end(key)
         self.pinned.add(key)
 
-    def add(self, key: Key) -> list[Key] | None:
+    def add(self, key: Key, chain: tuple[int, ...]) -> list[Key] | None:
         """Register a capture; the keys it evicts, or None when every slot is pinned by this pass."""
         if key in self.ready or key in self.pending:
             return []
@@ -78,10 +89,45 @@ class Registry:
             if victim is None:
                 return None
             del self.ready[victim]
+            self._forget(victim)
             evicted.append(victim)
+        if key in self.dropped:
+            self.dropped.remove(key)  # captured again this step: the workers overwrite the stale copy
         self.pending[key] = None
         self.pinned.add(key)
+        self.chains[key] = chain
+        for content_hash in chain:
+            self.holders.setdefault(content_hash, set()).add(key)
         return evicted
+
+    def drop(self, content_hash: int) -> None:
+        for key in self.holders.pop(content_hash, set()):
+            self.ready.pop(key, None)
+            self.pending.pop(key, None)
+            self._forget(key)
+            self.dropped.append(key)
+
+    def take_dropped(self) -> list[Key]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+    def _forget(self, key: Key) -> None:
+        for content_hash in self.chains.pop(key, ()):
+            keys = self.holders.get(content_hash)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self.holders[content_hash]
+
+
+_REGISTRIES: weakref.WeakSet[Registry] = weakref.WeakSet()
+
+
+def evicted(content_hash: int) -> None:
+    """In PrefixCachingBlockAllocator._maybe_allocate_evicted_block_id: a cached block's content leaves vLLM's
+    prefix cache (its block is given to other content), so no checkpoint over it is restored again."""
+    for registry in list(_REGISTRIES):
+        registry.drop(content_hash)
 
 
 def _registry(scheduler: Any) -> Registry:
@@ -160,13 +206,13 @@ def limit_hit(scheduler: Any, scheduled: Any, computed_block_nums: list[int]) ->
     if interval:
         points.update(range(interval, end + 1, interval))
     chain = _chain(seq_group, seq, end // block_size, block_size)
-    captures, evict = [], []
+    captures, evict = [], registry.take_dropped()
     for point in sorted(p for p in points if start < p <= end and p % block_size == 0):
         key = (point // block_size, chain[point // block_size - 1])
-        evicted = registry.add(key)
-        if evicted is None:
+        lru = registry.add(key, tuple(chain[:point // block_size]))
+        if lru is None:
             break
-        evict.extend(evicted)
+        evict.extend(lru)
         captures.append((point, key))
     seq_group._prefix_state_plan = {
         "switch": switches.value(SWITCH), "start": start, "restore": restore, "captures": captures, "evict": evict,
@@ -362,6 +408,8 @@ HOOKS = {
                                                "prefix_state.attach"),
     "vllm.worker.model_runner:ModelRunner.prepare_model_input": ("prefix_state.with_plan",),
     "vllm.worker.model_runner:ModelRunner.execute_model": ("prefix_state.begin_step",),
+    "vllm.core.block.prefix_caching_block:PrefixCachingBlockAllocator._maybe_allocate_evicted_block_id": (
+        "prefix_state.evicted",),
     "vllm.model_executor.models.qwen3_5:GatedDeltaNet.forward": ("gdn_forward",),
 }
 FIELDS = {"vllm.sequence:SequenceGroupMetadata": "prefix_state",
