@@ -567,3 +567,17 @@ def test_an_evicted_block_drops_every_checkpoint_over_it_and_the_workers_learn_i
     assert registry.take_dropped() == [] and list(registry.pending) == [(1, 21)]
     prefix_state.evicted(99)  # a hash no checkpoint covers
     assert list(registry.pending) == [(1, 21)]
+
+
+def test_a_scheduler_that_sends_delta_metadata_is_refused() -> None:
+    """SPMD workers get delta metadata after a request's first chunk, without its plan: refused at the first pass."""
+    from types import SimpleNamespace
+
+    from native_fastpaths import prefix_state
+
+    scheduler = SimpleNamespace(scheduler_config=SimpleNamespace(send_delta_data=True))
+    with pytest.raises(RuntimeError, match=r"delta metadata \(VLLM_USE_RAY_SPMD_WORKER=1\).*PREFIX_STATE=0"):
+        prefix_state.begin_schedule(scheduler)
+    scheduler.scheduler_config.send_delta_data = False
+    prefix_state.begin_schedule(scheduler)
+    assert isinstance(scheduler._prefix_state_registry, prefix_state.Registry)
