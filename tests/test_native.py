@@ -569,12 +569,16 @@ def test_an_evicted_block_drops_every_checkpoint_over_it_and_the_workers_learn_i
     assert list(registry.pending) == [(1, 21)]
 
 
-def test_a_scheduler_that_sends_delta_metadata_is_refused() -> None:
-    """SPMD workers get delta metadata after a request's first chunk, without its plan: refused at the first pass."""
+def test_a_scheduler_that_sends_delta_metadata_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPMD workers get delta metadata after a request's first chunk, without its plan: refused at the first pass
+    (with PREFIX_STATE=0 there is no plan to lose)."""
     from types import SimpleNamespace
 
     from native_fastpaths import prefix_state
 
+    monkeypatch.setenv("PREFIX_STATE", "0")
+    prefix_state.begin_schedule(SimpleNamespace(scheduler_config=SimpleNamespace(send_delta_data=True)))
+    monkeypatch.setenv("PREFIX_STATE", "1")
     scheduler = SimpleNamespace(scheduler_config=SimpleNamespace(send_delta_data=True))
     with pytest.raises(RuntimeError, match=r"delta metadata \(VLLM_USE_RAY_SPMD_WORKER=1\).*PREFIX_STATE=0"):
         prefix_state.begin_schedule(scheduler)

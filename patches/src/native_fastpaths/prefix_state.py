@@ -133,7 +133,7 @@ def evicted(content_hash: int) -> None:
 def _registry(scheduler: Any) -> Registry:
     registry = getattr(scheduler, "_prefix_state_registry", None)
     if registry is None:
-        if getattr(getattr(scheduler, "scheduler_config", None), "send_delta_data", False):
+        if enabled() and getattr(getattr(scheduler, "scheduler_config", None), "send_delta_data", False):
             # SPMD workers get a SequenceGroupMetadataDelta after the first chunk, which carries no plan
             raise RuntimeError("prefix_state: the scheduler sends delta metadata (VLLM_USE_RAY_SPMD_WORKER=1), "
                                "which carries no prefix-state plan: serve without SPMD workers, or with "
