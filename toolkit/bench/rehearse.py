@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,7 +303,8 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
             stage.rehearsal.ready_s = ready
         yield server, argv
     finally:
-        server.stop()
+        stopped = server.stop()
+        stage.say(f"rehearse: the {name} server stopped after {stopped:.1f} s")
     _read_record(stage, record)
 
 
@@ -340,9 +342,19 @@ def _weights(loads: list[dict[str, Any]], tp: int) -> Check:
 
 def _send(stage: Stage, server: Server, conversations: list[client.Conversation], concurrency: int,
           label: str) -> list[RequestRecord]:
+    records, _ = asyncio.run(_streamed(server, conversations, concurrency))
+    return _kept(stage, records, label)
+
+
+async def _streamed(server: Server, conversations: list[client.Conversation],
+                    concurrency: int) -> tuple[list[RequestRecord], float]:
     settings = client.Settings(server.url, model=server.model, max_tokens=MAX_TOKENS, ignore_eos=True,
                                timeout_s=300, logprobs=TOP_LOGPROBS)
-    records, _ = asyncio.run(client.run(conversations, settings, concurrency))
+    return await client.run(conversations, settings, concurrency)
+
+
+def _kept(stage: Stage, records: list[RequestRecord], label: str) -> list[RequestRecord]:
+    """The records, also in the report's requests."""
     stage.rehearsal.requests.extend(
         {"sent": label, "conversation": r.conversation, "turn": r.turn, "status": r.status, "ok": r.ok,
          "failure": r.failure, "message": r.message, "prompt_tokens": r.prompt_tokens,
@@ -540,10 +552,15 @@ def _parsers(stage: Stage, server: Server, served: list[str], reasoning_on: bool
             **({"tools": tools, "tool_choice": "auto"} if tools_on else {}),
             # one token a byte at worst, and the end of sequence
             "guided_regex": _literal(text), "max_tokens": len(text.encode()) + 8, "temperature": 0}
-    records = _send(stage, server, [client.Conversation(name, body=body) for name, body in bodies.items()],
-                    len(bodies), "parsers")
-    by_name = {r.conversation: r for r in records}
-    wholes = asyncio.run(_non_streamed(server, list(bodies.values())))
+    async def both() -> tuple[tuple[list[RequestRecord], float], list[dict[str, Any]]]:
+        # streamed and not at once: one batch of decode steps instead of two (each forced output is long)
+        streamed, whole = await asyncio.gather(
+            _streamed(server, [client.Conversation(name, body=body) for name, body in bodies.items()], len(bodies)),
+            _non_streamed(server, list(bodies.values())))
+        return streamed, whole
+
+    (streamed_records, _), wholes = asyncio.run(both())
+    by_name = {r.conversation: r for r in _kept(stage, streamed_records, "parsers")}
     problems = []
     for case, whole in zip(cases, wholes, strict=True):
         want = case.expected(reasoning_on)
@@ -708,14 +725,17 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
                     "short", [client.Turn("Say hello in one word.")])], 1, "short")
                 rehearsal.first_token_s = short.ttft
                 rehearsal.checks.append(_answered("short", short, reasoning))
-            if "tools" in wanted:
-                [tools] = _send(stage, server, [client.Conversation("tools", body=_tools_body())], 1, "tools")
-                rehearsal.checks.append(_answered("tools", tools, reasoning, f", {len(workloads.TOOL_NAMES)} tool "
-                                                  "schemas with tool_choice auto"))
-            if "multi-system" in wanted:
-                rehearsal.checks.append(_multi_system(stage, server, argv, reasoning))
-            if "parsers" in wanted:
-                rehearsal.checks.append(_parsers(stage, server, served, reasoning))
+            def tools() -> Check:
+                [record] = _send(stage, server, [client.Conversation("tools", body=_tools_body())], 1, "tools")
+                return _answered("tools", record, reasoning, f", {len(workloads.TOOL_NAMES)} tool schemas with "
+                                 "tool_choice auto")
+
+            concurrent = {"tools": tools, "multi-system": lambda: _multi_system(stage, server, argv, reasoning),
+                          "parsers": lambda: _parsers(stage, server, served, reasoning)}
+            # at once, after the short one (its first token is the one timed): the server batches their steps
+            with ThreadPoolExecutor(max_workers=len(concurrent)) as pool:
+                futures = [pool.submit(check) for name, check in concurrent.items() if name in wanted]
+                rehearsal.checks.extend(future.result() for future in futures)
     except StartFailed as failed:
         rehearsal.checks.append(Check("start", False, f"the server did not start: {failed}"))
         return rehearsal
