@@ -32,6 +32,27 @@ def pytest_configure(config: pytest.Config) -> None:
     gitconfig.write_text('[url "file:///nonexistent/github.com/"]\n\tinsteadOf = https://github.com/\n'
                          "[user]\n\tname = toolkit tests\n\temail = tests@localhost\n")
     os.environ["GIT_CONFIG_GLOBAL"] = str(gitconfig)
+
+
+# the files whose tests start servers: one xdist scope, so no two of their servers run at once (a rehearsal refuses
+# to start beside another server, and each file's stray-process checks would count the other worker's)
+SERVER_FILES = frozenset({"test_bench_experiment.py", "test_bench_server.py", "test_rehearse.py"})
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with the server files sent to one worker together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ServersTogether(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "servers" if Path(file).name in SERVER_FILES else file
+
+    return ServersTogether(config, log)
+
+
 FLAGSHIP = REPO / "recipes" / "bi100-qwen36.yaml"
 
 
