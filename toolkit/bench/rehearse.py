@@ -112,6 +112,9 @@ class Rehearsal:
                 "cache_hit_rate": self.hit_rate, "logs": self.logs, "requests": self.requests}
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # passed through from the caller
+
+
 def server_command(run_config: str, python: Path, model: Path, port: int, tp: int,
                    rootfs: Path | None = None) -> tuple[list[str], dict[str, str], list[Substitution]]:
     """The run config's argv and env with the rehearsal's substitutions: this machine's Python, the tiny model,
@@ -277,8 +280,11 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
     record = stage.rundir / f"{name}-standins" / "standins.json"
     record.parent.mkdir(parents=True, exist_ok=True)
     devices = dict(emulated_devices(stage.recipe), memory_gb=stage.memory_gb)
+    # this machine's thread settings stay the caller's (two servers' or a server's and a test's OpenMP threads
+    # spinning on the same cores is what made a CPU rehearsal slow), the rest is the run config's
+    threads = {name: os.environ[name] for name in THREAD_ENV if name in os.environ}
     full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home()),
-                "TOKENIZERS_PARALLELISM": "false", **experiment.OFFLINE_ENV, **env,
+                "TOKENIZERS_PARALLELISM": "false", **threads, **experiment.OFFLINE_ENV, **env,
                 **standins.environment(cache_dir() / "runtime", stage.recipe.base_image.gpu_library_names,
                                        stage.tree.paths, stage.recipe.base_image.absent_modules, devices,
                                        cpu_device=True),
