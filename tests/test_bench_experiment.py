@@ -82,14 +82,19 @@ def test_experiment_monitors_each_variant_and_checks_the_devices_first(cli: Any,
 def test_experiment_refuses_to_start_beside_a_leftover(cli: Any, cpu_env: tuple[Path, Path],
                                                        tmp_path: Path) -> None:
     python, model = cpu_env
-    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "vllm.entrypoints.openai"],
-                             start_new_session=True)
+    decoy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                              "vllm.entrypoints.openai.api_server"], start_new_session=True)
+    # a script that only imports from vllm.entrypoints is no server
+    script = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # vllm.entrypoints.openai.protocol"],
+                              start_new_session=True)
     try:
         result = cli("experiment", RECIPE, "--python", python, "--model", model, "-o", tmp_path / "exp")
         assert result.code == 2 and "stray server/worker process" in result.err and str(decoy.pid) in result.err
+        assert str(script.pid) not in result.err
     finally:
-        decoy.kill()
-        decoy.wait()
+        for process in (decoy, script):
+            process.kill()
+            process.wait()
 
 
 def test_an_interrupted_experiment_stops_the_server_it_started(cpu_env: tuple[Path, Path],

@@ -19,7 +19,10 @@ from toolkit.bench.monitor import Monitor
 from toolkit.errors import ToolkitError
 
 # what a vLLM server or one of its workers looks like in a process table
-SERVER_MARKERS = ("vllm.entrypoints", "vllm serve", "EngineCore", "VllmWorker", "multiproc_worker")
+# the servers' own modules, not every script that imports from vllm.entrypoints (a preflight stage, a test's
+# request check): those are not servers, and end by themselves
+SERVER_MARKERS = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.api_server", "vllm serve", "EngineCore",
+                  "VllmWorker", "multiproc_worker")
 
 
 def _cmdline(pid: int) -> str:
