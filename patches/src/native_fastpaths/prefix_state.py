@@ -186,7 +186,7 @@ def limit_hit(scheduler: Any, scheduled: Any, computed_block_nums: list[int]) ->
         return list(computed_block_nums[:context // block_size]), token_chunk_size
     registry = _registry(scheduler)
     length = seq.data.get_len()
-    chain = _chain(seq_group, seq, max(hit, (context + token_chunk_size) // block_size), block_size)
+    chain = _chain(seq_group, seq, hit, block_size)  # the search's keys; the captures' below
 
     start, restore = context, None
     # at least one token stays to compute: the runner recomputes the last token of a chunk the hit covers whole
