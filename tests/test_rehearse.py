@@ -247,6 +247,11 @@ def test_the_prefix_state_transforms_removed_change_the_tokens_with_the_cache_on
                                           checks=("prefix-cache",)))
     checks = _checks(report)
     assert report.exit_code == 1 and checks["start"]["ok"] and checks["weights"]["ok"], checks
+    # no check of the served server was asked: the cache-on server is the first to start, and no other
+    assert "the cache-on server (float32) ready after" in checks["start"]["detail"], checks["start"]
+    assert "the served server was not started" in checks["start"]["detail"]
+    [variant] = report.as_json()["variants"]
+    assert [Path(log).name for log in variant["logs"]] == ["cache-on.log", "cache-off.log"], variant["logs"]
     assert not checks["prefix-cache"]["ok"], checks["prefix-cache"]
     assert "answers differ from those served without the prefix cache" in checks["prefix-cache"]["detail"]
     assert stray_processes() == []

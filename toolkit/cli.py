@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="append", metavar="NAME", help="run only this request check (repeatable): "
                    "short, tools, multi-system, parsers (tool and reasoning outputs forced by guided_regex), "
                    "profile (the TOOLKIT_PROFILE table of the served path), prefix-cache; the start and the weights "
-                   "are checked always")
+                   "are checked always (with prefix-cache alone, on its cache-on server: the served server is "
+                   "not started)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_rehearse)
 

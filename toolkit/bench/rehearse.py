@@ -64,6 +64,8 @@ LONG_SYSTEM = " ".join(f"Rule {i}: the cache keeps block {i} of every prefix tha
 Say = Callable[[str], None]
 # what --check can choose; the start and the weights are checked whenever a server starts
 REQUEST_CHECKS = ("short", "tools", "multi-system", "parsers", "profile", "prefix-cache")
+# the checks answered by the server as the run config starts it; prefix-cache has its own two float32 servers
+SERVED_CHECKS = frozenset(REQUEST_CHECKS) - {"prefix-cache"}
 # the served server's probes on, for the profile check (no TOOLKIT_PROFILE_SYNC: a CPU computes as it is asked)
 PROFILE_ENV = {k: v for k, v in experiment.PROFILE_ENV.items() if k != "TOOLKIT_PROFILE_SYNC"}
 
@@ -701,6 +703,38 @@ def _prefix_cache(cached: list[RequestRecord], other: Callable[[], tuple[list[Re
         f"2 equal to those without the cache, two at a time and one at a time{said}"))
 
 
+def _served(stage: Stage, port: int | None, served: list[str], reasoning: bool, wanted: set[str],
+           profiled: Path) -> bool:
+    """The served server's checks (its start, then the requests of `wanted` it answers); True when it did not
+    start."""
+    rehearsal = stage.rehearsal
+    try:
+        with _server(stage, "served", port=port, extra={**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(profiled)}
+                     if "profile" in wanted else None) as (server, argv):
+            rehearsal.checks.append(Check("start", True, f"ready after {rehearsal.ready_s:.1f} s, TP {stage.tp}"))
+            if "short" in wanted:
+                [short] = _send(stage, server, [client.Conversation(
+                    "short", [client.Turn("Say hello in one word.")])], 1, "short")
+                rehearsal.first_token_s = short.ttft
+                rehearsal.checks.append(_answered("short", short, reasoning))
+
+            def tools() -> Check:
+                [record] = _send(stage, server, [client.Conversation("tools", body=_tools_body())], 1, "tools")
+                return _answered("tools", record, reasoning, f", {len(workloads.TOOL_NAMES)} tool schemas with "
+                                 "tool_choice auto")
+
+            concurrent = {"tools": tools, "multi-system": lambda: _multi_system(stage, server, argv, reasoning),
+                          "parsers": lambda: _parsers(stage, server, served, reasoning)}
+            # at once, after the short one (its first token is the one timed): the server batches their steps
+            with ThreadPoolExecutor(max_workers=len(concurrent)) as pool:
+                futures = [pool.submit(check) for name, check in concurrent.items() if name in wanted]
+                rehearsal.checks.extend(future.result() for future in futures)
+    except StartFailed as failed:
+        rehearsal.checks.append(Check("start", False, f"the server did not start: {failed}"))
+        return True
+    return False
+
+
 def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: Path, model: Path, tp: int,
              rundir: Path, image: Path | None = None, memory_gb: float = DEVICE_MEMORY_GB, port: int | None = None,
              say: Say | None = None, only: tuple[str, ...] = ()) -> Rehearsal:
@@ -722,28 +756,7 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
     reasoning = experiment.flag_value(served, "--reasoning-parser") is not None
     caching = "--enable-prefix-caching" in served
     profiled = stage.rundir / "profile"
-    try:
-        with _server(stage, "served", port=port, extra={**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(profiled)}
-                     if "profile" in wanted else None) as (server, argv):
-            rehearsal.checks.append(Check("start", True, f"ready after {rehearsal.ready_s:.1f} s, TP {tp}"))
-            if "short" in wanted:
-                [short] = _send(stage, server, [client.Conversation(
-                    "short", [client.Turn("Say hello in one word.")])], 1, "short")
-                rehearsal.first_token_s = short.ttft
-                rehearsal.checks.append(_answered("short", short, reasoning))
-            def tools() -> Check:
-                [record] = _send(stage, server, [client.Conversation("tools", body=_tools_body())], 1, "tools")
-                return _answered("tools", record, reasoning, f", {len(workloads.TOOL_NAMES)} tool schemas with "
-                                 "tool_choice auto")
-
-            concurrent = {"tools": tools, "multi-system": lambda: _multi_system(stage, server, argv, reasoning),
-                          "parsers": lambda: _parsers(stage, server, served, reasoning)}
-            # at once, after the short one (its first token is the one timed): the server batches their steps
-            with ThreadPoolExecutor(max_workers=len(concurrent)) as pool:
-                futures = [pool.submit(check) for name, check in concurrent.items() if name in wanted]
-                rehearsal.checks.extend(future.result() for future in futures)
-    except StartFailed as failed:
-        rehearsal.checks.append(Check("start", False, f"the server did not start: {failed}"))
+    if wanted & SERVED_CHECKS and _served(stage, port, served, reasoning, wanted, profiled):
         return rehearsal
     if "profile" in wanted:
         rehearsal.checks.append(profile_check(recipe, profiled))
@@ -755,7 +768,14 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
         return rehearsal
 
     def compared(name: str, on: bool, *runs: tuple[int, str]) -> list[list[RequestRecord]]:
-        with _server(stage, name, prefix_caching=on, dtype=COMPARED_DTYPE) as (server, _):
+        # asked for no check of the served server, the first of these is the one that starts (on --port, if given)
+        first = not any(c.name == "start" for c in rehearsal.checks)
+        with _server(stage, name, prefix_caching=on, dtype=COMPARED_DTYPE, port=port if first else None) as (
+                server, _):
+            if first:
+                rehearsal.checks.append(Check("start", True, f"the {name} server ({COMPARED_DTYPE}) ready after "
+                                              f"{rehearsal.ready_s:.1f} s, TP {stage.tp}; the served server was not "
+                                              "started: no check of it was asked"))
             return [_send(stage, server, conversations(), concurrency, label) for concurrency, label in runs]
 
     def other() -> tuple[list[RequestRecord], list[RequestRecord]]:
@@ -769,6 +789,8 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
         rehearsal.checks.append(cache_hits(stage, first))
         rehearsal.checks.append(_prefix_cache(first, other))
     except StartFailed as failed:
+        if not any(c.name == "start" for c in rehearsal.checks):
+            rehearsal.checks.append(Check("start", False, f"the cache-on server did not start: {failed}"))
         rehearsal.checks.append(Check("prefix-cache", False, f"a {COMPARED_DTYPE} server of the comparison did not "
                                       f"start: {failed}"))
     return rehearsal
