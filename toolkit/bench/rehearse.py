@@ -106,6 +106,9 @@ class Rehearsal:
     def ok(self) -> bool:
         return bool(self.checks) and all(c.ok for c in self.checks)
 
+    def has(self, name: str) -> bool:
+        return any(c.name == name for c in self.checks)
+
     def as_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "tp": self.tp, "ok": self.ok, "rundir": str(self.rundir),
                 "checks": [asdict(c) for c in self.checks],
@@ -326,7 +329,7 @@ def _read_record(stage: Stage, record: Path) -> None:
     for process in [data, *data.get("processes", [])]:
         rehearsal.shims.extend(s for s in process.get("shims", []) if s not in rehearsal.shims)
     loads = [p["load"] for p in [data, *data.get("processes", [])] if p.get("load", {}).get("parameters")]
-    if not any(c.name == "weights" for c in rehearsal.checks):
+    if not rehearsal.has("weights"):
         rehearsal.checks.append(_weights(loads, stage.tp))
 
 
@@ -769,7 +772,7 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
 
     def compared(name: str, on: bool, *runs: tuple[int, str]) -> list[list[RequestRecord]]:
         # asked for no check of the served server, the first of these is the one that starts (on --port, if given)
-        first = not any(c.name == "start" for c in rehearsal.checks)
+        first = not rehearsal.has("start")
         with _server(stage, name, prefix_caching=on, dtype=COMPARED_DTYPE, port=port if first else None) as (
                 server, _):
             if first:
@@ -789,7 +792,7 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
         rehearsal.checks.append(cache_hits(stage, first))
         rehearsal.checks.append(_prefix_cache(first, other))
     except StartFailed as failed:
-        if not any(c.name == "start" for c in rehearsal.checks):
+        if not rehearsal.has("start"):
             rehearsal.checks.append(Check("start", False, f"the cache-on server did not start: {failed}"))
         rehearsal.checks.append(Check("prefix-cache", False, f"a {COMPARED_DTYPE} server of the comparison did not "
                                       f"start: {failed}"))
