@@ -262,7 +262,8 @@ def _env_reads(roots: list[str], names: list[str]) -> dict[str, list[str]]:
                 except OSError:
                     continue
                 for name, pattern in patterns.items():
-                    if len(found[name]) < 3 and pattern.search(text):
+                    # the substring test first: a regex search of every file for every name was 3 s a preflight
+                    if len(found[name]) < 3 and name in text and pattern.search(text):
                         found[name].append(os.path.relpath(path, root))
     return found
 
