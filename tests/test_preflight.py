@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +309,19 @@ def test_real_roots_build_and_preflight_with_the_adapters_own_files(cli, python:
     assert any(n.startswith(stood_in) for n in notes), notes
     assert any(n.startswith("attention backend (every variant): vLLM selects XFORMERS (Cannot use FlashAttention-2")
                for n in notes), notes
+    # the applied roots hold the bytes the build's patched copy held: the build's run is remembered
+    assert notes[0].endswith("remembered from an earlier run on the same files"), notes[0]
+    # one new file in the roots and the vendor's code runs again
+    vendor = roots_of(corex_rootfs)[0] / "vllm"
+    added = vendor / "toolkit_test_added.py"
+    added.write_text(f"# {uuid.uuid4()}: bytes no earlier run saw\n")
+    try:
+        changed = cli("preflight", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
+    finally:
+        added.unlink()
+    assert changed.code == 0 and not changed.json()["notes"][0].endswith("remembered from an earlier run on the "
+                                                                          "same files"), changed.json()["notes"][0]
+    assert by_variant(changed) == by_variant(result)
 
     # one verdict for one input: build on the roots apply just patched reaches apply's states (it once refused
     # the transformers root: "exists in the vendor roots with content this recipe did not deploy")
@@ -318,6 +332,8 @@ def test_real_roots_build_and_preflight_with_the_adapters_own_files(cli, python:
     assert built.code == 0, built.out[-3000:] + built.err[-3000:]
     kv = {r["state"] for r in built.json()["results"] if r["transform"].startswith("hybrid-kv-accounting")}
     assert kv == {"ALREADY_APPLIED"}, built.json()["results"]
+    assert any("start in the patched vLLM's own config code" in n and "(remembered from an earlier run)" in n
+               for n in built.json()["notes"]), built.json()["notes"]
 
     result = cli("build", FLAGSHIP, "-o", tmp_path / "sub2", *adapter_args, "--json")
     assert result.code == 0, result.out[-3000:]

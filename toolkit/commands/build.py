@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,8 +152,9 @@ def _preflight(loaded: LoadedRecipe, found: dict[str, Path], request: BuildReque
     if not variants:
         return [], None
     started = time.monotonic()
-    outcomes, cached = preflight.cached_run(loaded, variants, found, python, request.rootfs,
-                                            dict(request.inputs.package_roots))
+    with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
+        outcomes, _, cached = preflight.cached_run(loaded, variants, found, python, Path(tmp), request.rootfs,
+                                                   dict(request.inputs.package_roots))
     how = "remembered from an earlier run" if cached else f"{time.monotonic() - started:.1f} s"
     if all(o.starts for o in outcomes):
         unchecked = sorted({n for o in outcomes for n in o.not_checked})

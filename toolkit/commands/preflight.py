@@ -35,13 +35,10 @@ def preflight(request: PreflightRequest) -> Report:
     python = runtime()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
-        if request.rootfs is not None:
-            tree = runtime_preflight.given_tree(loaded, request.rootfs, dict(request.inputs.package_roots),
-                                                Path(tmp))
-        else:
-            tree = runtime_preflight.patched_copy(loaded, found, Path(tmp))
-        print(f"preflight: {len(variants)} variant(s) through the vendor's own code in {tree.where}",
-              file=sys.stderr, flush=True)
-        outcomes = runtime_preflight.run(loaded, variants, tree, python, request.model_config)
-    report = runtime_preflight.report(loaded, outcomes, f"ran on {tree.where}, {time.monotonic() - started:.1f} s")
+        print(f"preflight: {len(variants)} variant(s) through the vendor's own code", file=sys.stderr, flush=True)
+        outcomes, tree, cached = runtime_preflight.cached_run(
+            loaded, variants, found, python, Path(tmp), request.rootfs, dict(request.inputs.package_roots),
+            applied=True, model_dir=request.model_config)
+    how = "remembered from an earlier run on the same files" if cached else f"{time.monotonic() - started:.1f} s"
+    report = runtime_preflight.report(loaded, outcomes, f"ran on {tree.where}, {how}")
     return dataclasses.replace(report, exit_code=EXIT_OK if all(o.starts for o in outcomes) else EXIT_CANNOT_START)

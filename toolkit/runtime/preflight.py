@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -212,8 +213,11 @@ def patched_copy(loaded: LoadedRecipe, pinned: dict[str, Path], work: Path, root
     if exact:
         return Tree(paths, vendor, untried, f"a copy of the vendor roots under {rootfs} with the recipe applied",
                     steps=steps)
-    return Tree(paths, vendor, untried, f"a copy of {recipe.vendor.reference} (CoreX-like) with the recipe applied",
-                reference=True, steps=steps)
+    return Tree(paths, vendor, untried, _reference_where(recipe), reference=True, steps=steps)
+
+
+def _reference_where(recipe: Recipe) -> str:
+    return f"a copy of {recipe.vendor.reference} (CoreX-like) with the recipe applied"
 
 
 def given_tree(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str], work: Path) -> Tree:
@@ -491,38 +495,68 @@ def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
                   extra={"variants": [o.as_json() for o in outcomes]})
 
 
-def _key(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path) -> str:
-    """What a preflight result depends on: the recipe as resolved, the variants, the sources, the stages script,
-    the runtime."""
+def _digest(roots: list[Path]) -> str:
+    """The files under each root by path and bytes; not its bytecode, nor the toolkit's state record (which says
+    how the root came to be patched, and the vendor's code never reads)."""
+    digest = hashlib.sha256()
+    for index, root in enumerate(roots):
+        digest.update(f"root {index}\0".encode())
+        for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                           and p != root / STATE_FILE):
+            data = path.read_bytes()
+            digest.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode()
+                          + hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
+def _key(loaded: LoadedRecipe, variants: list[Variant], python: Path, model_dir: Path | None, trees: object) -> str:
+    """What a preflight result depends on: the recipe as resolved, the variants, the trees it runs on (`trees`: the
+    pinned sources' cached paths, or the bytes of roots that may change), the model folder's bytes, the stages
+    script, the runtime."""
     recipe = loaded.recipe.model_dump(mode="json")
     recipe.pop("patches", None)
     patches = sorted((p.relative_to(loaded.patches_dir).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
                      for p in loaded.patches_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    sources = {name: str(tree) for name, tree in sorted(pinned.items())}
-    raw = json.dumps([recipe, patches, [v.name for v in variants], sources, str(python)], sort_keys=True)
+    model = _digest([model_dir]) if model_dir is not None else None
+    raw = json.dumps([recipe, patches, [v.name for v in variants], trees, model, str(python)], sort_keys=True)
     # the toolkit's own sources decide the patched tree, the stand-ins and the stages: any change runs it again
     toolkit_files = sorted(p for p in Path(standins.__file__).parents[1].rglob("*.py") if "__pycache__" not in p.parts)
     return build_key(raw, files=toolkit_files)
 
 
-def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path,
-               rootfs: Path | None = None, given: dict[str, str] | None = None) -> tuple[list[Outcome], bool]:
-    """run() on a patched copy of the reference tree (or of the vendor roots under rootfs), remembered by everything
-    it depends on (True: from the cache); a rootfs is the user's, and may change: it is run every time.
+def _remembered(target: Path) -> list[Outcome] | None:
+    if not target.is_file():
+        return None
+    return [Outcome(d["variant"], [Stage(**s) for s in d["stages"]], d["config"], d["kv"], d["lint_errors"],
+                    d["not_checked"], d.get("standins", {})) for d in json.loads(target.read_text())]
 
-    `toolkit build` runs this: the same recipe built again does not pay the vendor's import twice."""
-    if rootfs is not None:
-        with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
-            return run(loaded, variants, patched_copy(loaded, pinned, Path(tmp), rootfs, given), python), False
-    target = cache_dir() / "preflight" / f"{_key(loaded, variants, pinned, python)}.json"
-    if target.is_file():
-        data = json.loads(target.read_text())
-        return [Outcome(d["variant"], [Stage(**s) for s in d["stages"]], d["config"], d["kv"], d["lint_errors"],
-                        d["not_checked"], d.get("standins", {})) for d in data], True
-    with tempfile.TemporaryDirectory(prefix="toolkit-preflight-tree-") as tmp:
-        outcomes = run(loaded, variants, patched_copy(loaded, pinned, Path(tmp)), python)
+
+def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path, work: Path,
+               rootfs: Path | None = None, given: dict[str, str] | None = None, applied: bool = False,
+               model_dir: Path | None = None) -> tuple[list[Outcome], Tree, bool]:
+    """run() on a patched copy of the reference tree (rootfs: of the vendor roots under it; applied: those roots as
+    they are) made in `work`, remembered by everything it depends on (True: from the cache). The reference and the
+    pinned sources are cached by their pins, so their paths say their bytes; a rootfs is the user's and may change:
+    its copy is keyed by its bytes, so `preflight` after `apply` and `build` on the same roots run the vendor's
+    imports once, and a changed file runs them again."""
+    if rootfs is None:
+        target = cache_dir() / "preflight" / (_key(loaded, variants, python, model_dir, {
+            name: str(tree) for name, tree in sorted(pinned.items())}) + ".json")
+        remembered = _remembered(target)
+        # remembered, nothing is copied: the tree is only named
+        tree = patched_copy(loaded, pinned, work) if remembered is None else Tree(
+            [], work, untried_here(loaded.recipe, pinned), _reference_where(loaded.recipe), reference=True)
+    else:
+        tree = given_tree(loaded, rootfs, given or {}, work) if applied else \
+            patched_copy(loaded, pinned, work, rootfs, given)
+        target = cache_dir() / "preflight" / (_key(loaded, variants, python, model_dir, [
+            sorted(tree.untried.items()), _digest(tree.paths)]) + ".json")
+        remembered = _remembered(target)
+    if remembered is not None:
+        return remembered, tree, True
+    outcomes = run(loaded, variants, tree, python, model_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".tmp")
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps([o.as_json() for o in outcomes]))
     partial.replace(target)
-    return outcomes, False
+    return outcomes, tree, False
