@@ -234,3 +234,61 @@ def test_the_emulated_devices_hold_in_a_child_python(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [4, 32 * 2**30, 4]
+
+
+REGISTRY = '''\
+def _run_in_subprocess(fn):
+    raise AssertionError("a fresh interpreter was started")
+'''
+PLUGINS = "import os\n\n\ndef load_general_plugins():\n    os.environ['PLUGINS_IN'] = str(os.getpid())\n"
+
+
+def test_the_registry_check_runs_in_a_fork_with_its_own_result_failure_and_record(tmp_path: Path) -> None:
+    """vLLM's `_run_in_subprocess`, under emulated devices: the inspection runs in another process (plugins loaded
+    first, as `registry._run` loads them), returns its value, raises the child's traceback as the RuntimeError vLLM
+    raises, leaks no import into the asker, and the child records its own stand-in calls, not its parent's."""
+    tree = tmp_path / "tree"
+    for module, text in {"vllm/__init__.py": "", "vllm/plugins/__init__.py": PLUGINS, "vllm/model_executor/__init__.py":
+                         "", "vllm/model_executor/models/__init__.py": "",
+                         "vllm/model_executor/models/registry.py": REGISTRY,
+                         "modelmod.py": "import ixformer.functions as F\nF.linear  # resolved at import\n"}.items():
+        (tree / module).parent.mkdir(parents=True, exist_ok=True)
+        (tree / module).write_text(text)
+    code = '''\
+        import json, os, sys
+        import ixformer.functions as F
+        import vllm.model_executor.models.registry as registry
+        import toolkit_standins
+        def parents_own():  # a call at module level is a decorator's: inside a function, it computes
+            import torch
+            F.linear(torch.ones(1, 2), torch.ones(3, 2))
+        parents_own()
+        def inspect():
+            import modelmod
+            try:
+                F.moe_align_block_size(1)
+            except toolkit_standins.StandInCalled:
+                pass
+            return {"pid": os.getpid(), "plugins": os.environ["PLUGINS_IN"]}
+        got = registry._run_in_subprocess(inspect)
+        try:
+            registry._run_in_subprocess(lambda: 1 / 0)
+        except RuntimeError as exc:
+            failed = str(exc)
+        print(json.dumps({"got": got, "me": os.getpid(), "failed": failed, "leaked": "modelmod" in sys.modules,
+                          "shims": toolkit_standins.RECORD["shims"]}))
+    '''
+    env = dict(os.environ, **standins.environment(tmp_path / "cache", ["ixformer"], [tree],
+                                                  devices={"count": 1, "memory_gb": 1, "capability": [7, 0]}),
+               TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "record.json"))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["got"]["pid"] != out["me"] and out["got"]["plugins"] == str(out["got"]["pid"])
+    assert out["failed"].startswith("Error raised in subprocess:\nTraceback") and "ZeroDivisionError" in out["failed"]
+    assert not out["leaked"] and out["shims"] == ["registry-check-forked"]
+    record = standins.read_record(tmp_path / "record.json")
+    [child, _] = sorted(record["processes"], key=lambda p: p["pid"] != out["got"]["pid"])
+    assert [c["name"] for c in child["calls"]] == ["ixformer.functions.moe_align_block_size"]
+    assert child["computed"] == {} and record["computed"] == {"ixformer.functions.linear": 1}

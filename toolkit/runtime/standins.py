@@ -186,23 +186,28 @@ def _record_at_exit() -> None:
     _record_at_exit.registered = True  # type: ignore[attr-defined]
     os.environ.setdefault(RECORD_PID_ENV, str(os.getpid()))
 
-    def write() -> None:
-        pid = os.getpid()  # at exit, not at registration: a forked child is another process
-        first = os.environ.get(RECORD_PID_ENV) == str(pid)
-        target = Path(record_file if first else f"{record_file}.{pid}")
-        partial = target.with_name(f"{target.name}.partial")
-        partial.write_text(json.dumps(dict(RECORD, pid=pid)))
-        partial.replace(target)
-
     def terminated(signum: int, frame: types.FrameType | None) -> None:
         # a worker is stopped with SIGTERM (a daemon process at its parent's exit), perhaps inside a blocking C
         # call: record, then end as the signal would have, without waiting on anything
-        write()
+        _write_record()
         os._exit(128 + signum)
 
-    atexit.register(write)
+    atexit.register(_write_record)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, terminated)
+
+
+def _write_record() -> None:
+    """This process's record, to the record file if it is the first Python that records, else to FILE.PID."""
+    record_file = os.environ.get(RECORD_ENV)
+    if not record_file:
+        return
+    pid = os.getpid()  # when written, not when registered: a forked child is another process
+    first = os.environ.get(RECORD_PID_ENV) == str(pid)
+    target = Path(record_file if first else f"{record_file}.{pid}")
+    partial = target.with_name(f"{target.name}.partial")
+    partial.write_text(json.dumps(dict(RECORD, pid=pid)))
+    partial.replace(target)
 
 
 def read_record(record_file: Path) -> dict[str, Any]:
@@ -307,8 +312,70 @@ def emulate(devices: dict[str, Any]) -> None:
         vllm_utils._cuda_device_count_stateless = lambda *args: count  # type: ignore[attr-defined]
 
     after_import("vllm.utils", device_count)
+    after_import("vllm.model_executor.models.registry", _registry_check_forked)
     RECORD["devices"] = dict(devices)
     _record_at_exit()
+
+
+REGISTRY_SHIM = ("registry-check-forked",
+                 "vLLM's registry inspects a lazily registered model class in a child process so that its parent never "
+                 "initialises CUDA (`_run_in_subprocess`: a fresh interpreter that imports torch and vLLM again, 6-8 s "
+                 "a check); here the child is a fork of the process that asks, which has no CUDA to protect: the same "
+                 "inspection in its own process, its result or its traceback returned as there")
+# what a fork child accumulated by itself: the rest of the record (the libraries, the devices) is its parent's too
+_PER_PROCESS = ("modules", "calls", "absent_imports", "patched", "patch_misses")
+
+
+def _in_fork(fn: Callable[[], Any]) -> Any:
+    """`fn()` in a fork of this process, as `_run_in_subprocess` runs it in a new one: its result, or a RuntimeError
+    holding the child's traceback; the child writes its own record (its stand-in calls, its imports)."""
+    import pickle
+    import traceback
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the parent's code, never runs the parent's exit handlers
+        code = 1
+        try:
+            os.close(read)
+            for key in _PER_PROCESS:
+                RECORD[key] = []
+            RECORD["computed"] = {}
+            try:
+                payload = pickle.dumps((True, fn()))
+            except BaseException:  # the parent raises it, as after a failed subprocess
+                payload = pickle.dumps((False, traceback.format_exc()))
+            with os.fdopen(write, "wb") as out:
+                out.write(payload)
+            _write_record()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as incoming:
+        payload = incoming.read()
+    _, status = os.waitpid(pid, 0)
+    if not payload:
+        raise RuntimeError(f"Error raised in subprocess:\nthe forked registry check {pid} ended with wait status "
+                           f"{status} and returned nothing")
+    ok, value = pickle.loads(payload)
+    if not ok:
+        raise RuntimeError(f"Error raised in subprocess:\n{value}")
+    return value
+
+
+def _registry_check_forked(registry: types.ModuleType) -> None:
+    original = registry._run_in_subprocess
+
+    def forked(fn: Callable[[], Any]) -> Any:
+        # the plugins load first in the child, as `registry._run` loads them before it calls fn
+        plugins = importlib.import_module("vllm.plugins")
+        return _in_fork(lambda: (plugins.load_general_plugins(), fn())[1])
+
+    forked.__wrapped__ = original  # type: ignore[attr-defined]
+    registry._run_in_subprocess = forked  # type: ignore[attr-defined]
+    if REGISTRY_SHIM[0] not in RECORD.setdefault("shims", []):
+        RECORD["shims"].append(REGISTRY_SHIM[0])
 
 
 SITECUSTOMIZE = '''\
