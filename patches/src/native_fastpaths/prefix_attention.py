@@ -30,7 +30,7 @@ def gather_context(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: t
 
 def _merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, scores: torch.Tensor, v: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold one tile of scores (H, L, n) and values (H, n, D) into a running softmax."""
+    """Fold one tile of scores (Hkv, rows, n) and values (Hkv, n, D) into a running softmax."""
     m_new = torch.maximum(m, scores.amax(-1))
     correction = torch.exp(m - m_new)
     p = torch.exp(scores - m_new[..., None])
@@ -40,7 +40,10 @@ def _merge(acc: torch.Tensor, m: torch.Tensor, s: torch.Tensor, scores: torch.Te
 def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, tile: int = 4096) -> torch.Tensor:
-    """query (Tq, H, D); key/value (Tq, Hkv, D). Returns (Tq, H, D) in the query's dtype."""
+    """query (Tq, H, D); key/value (Tq, Hkv, D). Returns (Tq, H, D) in the query's dtype.
+
+    The `group` query heads that read one KV head (head h reads KV head h // group) are stacked as one (group * L)
+    matrix against it, so no KV tile is copied per query head."""
     with profiled("attention.prefix", query.device):
         heads, kv_heads = query.shape[1], key.shape[1]
         group = heads // kv_heads
@@ -51,23 +54,23 @@ def prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             lo, hi = starts[b], starts[b + 1]
             if hi == lo:
                 continue
-            q = query[lo:hi].transpose(0, 1).float() * scale  # (H, L, D)
             length = hi - lo
-            acc = torch.zeros(heads, length, value.shape[-1], dtype=torch.float32, device=query.device)
-            m = torch.full((heads, length), float("-inf"), dtype=torch.float32, device=query.device)
-            s = torch.zeros(heads, length, dtype=torch.float32, device=query.device)
+            rows = group * length
+            q = (query[lo:hi].transpose(0, 1).float() * scale).reshape(kv_heads, rows, -1)  # (Hkv, group*L, D)
+            acc = torch.zeros(kv_heads, rows, value.shape[-1], dtype=torch.float32, device=query.device)
+            m = torch.full((kv_heads, rows), float("-inf"), dtype=torch.float32, device=query.device)
+            s = torch.zeros(kv_heads, rows, dtype=torch.float32, device=query.device)
             for t0 in range(0, int(contexts[b]), tile):
                 t1 = min(t0 + tile, int(contexts[b]))
                 k, v = gather_context(key_cache, value_cache, block_tables[b], t0, t1)
-                k = k.float().repeat_interleave(group, dim=0)
-                v = v.float().repeat_interleave(group, dim=0)
+                k, v = k.float(), v.float()
                 acc, m, s = _merge(acc, m, s, q @ k.transpose(-1, -2), v)
-            k_new = key[lo:hi].transpose(0, 1).float().repeat_interleave(group, dim=0)
-            v_new = value[lo:hi].transpose(0, 1).float().repeat_interleave(group, dim=0)
-            scores = q @ k_new.transpose(-1, -2)
-            causal = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1)
+            k_new = key[lo:hi].transpose(0, 1).float()  # (Hkv, L, D)
+            v_new = value[lo:hi].transpose(0, 1).float()
+            scores = q @ k_new.transpose(-1, -2)  # (Hkv, group*L, L): row r is query token r % L
+            causal = torch.ones(length, length, dtype=torch.bool, device=query.device).triu(1).repeat(group, 1)
             acc, m, s = _merge(acc, m, s, scores.masked_fill(causal, float("-inf")), v_new)
-            out[lo:hi] = (acc / s[..., None]).transpose(0, 1).to(query.dtype)
+            out[lo:hi] = (acc / s[..., None]).reshape(heads, length, -1).transpose(0, 1).to(query.dtype)
         return out
 
 
