@@ -431,7 +431,11 @@ def test_without_triton_the_vendor_triton_utils_cannot_import(cli, python: Path,
 
 CHILD_CHECK = """
 import json, os, sys
+from vllm.model_executor.models import registry
 from vllm.model_executor.models.registry import ModelRegistry
+# the vendor's own fresh child Python, not the fork the runtime gives it (registry-check-forked): a fork inherits
+# everything, a new interpreter only the environment
+registry._run_in_subprocess = registry._run_in_subprocess.__wrapped__
 if sys.argv[1] == "parent-only":  # the emulation this process has, not passed on (what preflight did before)
     os.environ.pop("TOOLKIT_EMULATED_DEVICES")
 try:

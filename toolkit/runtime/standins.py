@@ -364,16 +364,16 @@ def _in_fork(fn: Callable[[], Any]) -> Any:
     return value
 
 
-def _registry_check_forked(registry: types.ModuleType) -> None:
-    original = registry._run_in_subprocess
+def _registry_check_forked(vllm_registry: types.ModuleType) -> None:
+    original = vllm_registry._run_in_subprocess
 
     def forked(fn: Callable[[], Any]) -> Any:
         # the plugins load first in the child, as `registry._run` loads them before it calls fn
         plugins = importlib.import_module("vllm.plugins")
         return _in_fork(lambda: (plugins.load_general_plugins(), fn())[1])
 
-    forked.__wrapped__ = original  # type: ignore[attr-defined]
-    registry._run_in_subprocess = forked  # type: ignore[attr-defined]
+    forked.__wrapped__ = original  # type: ignore[attr-defined]  # the vendor's own, for a test to restore
+    vllm_registry._run_in_subprocess = forked  # type: ignore[attr-defined]
     if REGISTRY_SHIM[0] not in RECORD.setdefault("shims", []):
         RECORD["shims"].append(REGISTRY_SHIM[0])
 
