@@ -106,13 +106,17 @@ def vllm_single_query_cached_kv_attention(output: torch.Tensor, query: torch.Ten
     if alibi_slopes is not None:
         raise NotImplementedError("the ixformer reference computes no ALiBi (the served models use RoPE)")
     mapping = head_mapping.to(torch.int64)
+    heads = torch.arange(query.shape[1])
     for seq in range(query.shape[0]):
         length = int(context_lens[seq])
         keys, values = _gathered(key_cache, value_cache, block_tables[seq], length, block_size)
-        keys, values = keys[:, mapping].to(torch.float32), values[:, mapping].to(torch.float32)  # [len, heads, d]
+        keys, values = keys.to(torch.float32), values.to(torch.float32)  # [len, kv_heads, d]
         q = query[seq].to(torch.float32)  # [heads, d]
-        scores = torch.einsum("hd,lhd->hl", q, keys) * scale
-        output[seq] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values).to(output.dtype)
+        # every query head against every KV head (a handful), then the pair head_mapping names: the context is
+        # not copied once per query head
+        scores = torch.einsum("hd,lkd->hkl", q, keys)[heads, mapping] * scale  # [heads, len]
+        weighted = torch.einsum("hl,lkd->hkd", scores.softmax(dim=-1), values)  # [heads, kv_heads, d]
+        output[seq] = weighted[heads, mapping].to(output.dtype)
 
 
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
