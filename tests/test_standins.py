@@ -263,6 +263,7 @@ def test_the_registry_check_runs_in_a_fork_with_its_own_result_failure_and_recor
             import torch
             F.linear(torch.ones(1, 2), torch.ones(3, 2))
         parents_own()
+        toolkit_standins.RECORD["load"] = {"parameters": 3}  # the parent's load check: not the child's
         def inspect():
             import modelmod
             try:
@@ -292,3 +293,4 @@ def test_the_registry_check_runs_in_a_fork_with_its_own_result_failure_and_recor
     [child, _] = sorted(record["processes"], key=lambda p: p["pid"] != out["got"]["pid"])
     assert [c["name"] for c in child["calls"]] == ["ixformer.functions.moe_align_block_size"]
     assert child["computed"] == {} and record["computed"] == {"ixformer.functions.linear": 1}
+    assert "load" not in child and record["load"] == {"parameters": 3}

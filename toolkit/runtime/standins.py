@@ -341,6 +341,7 @@ def _in_fork(fn: Callable[[], Any]) -> Any:
             for key in _PER_PROCESS:
                 RECORD[key] = []
             RECORD["computed"] = {}
+            RECORD.pop("load", None)  # the parent's load check, not this child's: a rank counts once
             try:
                 payload = pickle.dumps((True, fn()))
             except BaseException:  # the parent raises it, as after a failed subprocess
