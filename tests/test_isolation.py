@@ -15,6 +15,7 @@ import pytest
 
 from toolkit import pyenv
 from toolkit.bench import cpu_server
+from toolkit.errors import InputError
 from toolkit.runtime import env as runtime_env
 from toolkit.runtime.preflight import STAGES
 
@@ -147,3 +148,13 @@ def test_tiny_model_builds_from_nothing(tmp_path: Path) -> None:
     out = tmp_path / "tiny"
     cpu_server.build_tiny_model(python, out)
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+
+
+def test_a_failed_outlines_compile_names_the_step_and_the_error(tmp_path: Path) -> None:
+    """The runtime's last build step run by a Python that has no outlines: an error that says which step failed and
+    why (the end of its stderr), not a bare CalledProcessError."""
+    with pytest.raises(InputError) as raised:
+        runtime_env._outlines_compiled(Path(sys.executable), tmp_path, lambda text: None)
+    said = str(raised.value)
+    assert said.startswith("compiling outlines' numba functions in the new CPU runtime failed (exit 1):"), said
+    assert "ModuleNotFoundError: No module named" in said and raised.value.hint.startswith("run again"), said

@@ -7,6 +7,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from toolkit.errors import InputError
 from toolkit.pyenv import TORCH, cached_python, pip, venv
 
 KIND = "cpu-runtime"
@@ -66,7 +67,12 @@ def _outlines_compiled(python: Path, scratch: Path, say: Callable[[str], None]) 
     say("compiling outlines' numba functions once (guided decoding: about 15 s)")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(scratch), "OUTLINES_CACHE_DIR": str(scratch / "outlines"),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    subprocess.run([str(python), "-c", _COMPILE_OUTLINES], check=True, env=env, capture_output=True, text=True)
+    proc = subprocess.run([str(python), "-c", _COMPILE_OUTLINES], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise InputError(f"compiling outlines' numba functions in the new CPU runtime failed (exit "
+                         f"{proc.returncode}):\n{tail}", hint="run again (nothing half-built is kept); if it fails "
+                         "the same way, the installed outlines or numba does not work with this Python")
 
 
 def _airports(python: Path, say: Callable[[str], None]) -> None:
