@@ -68,11 +68,6 @@ def _reset_peak() -> None:
 _START_RSS = _peak_rss()
 
 
-def _applied(name: str) -> None:
-    if name not in standins.RECORD.setdefault("shims", []):
-        standins.RECORD["shims"].append(name)
-
-
 def _on_cpu_tensors(torch: types.ModuleType) -> None:
     from torch.overrides import TorchFunctionMode
 
@@ -116,7 +111,7 @@ def _on_cpu_tensors(torch: types.ModuleType) -> None:
             bootstrap(thread)
 
     threading.Thread._bootstrap_inner = in_mode  # type: ignore[attr-defined]
-    _applied("cuda-tensors-on-cpu")
+    standins.shim_applied("cuda-tensors-on-cpu")
 
 
 class _Event:
@@ -180,7 +175,7 @@ def _torch_cuda(torch: types.ModuleType, devices: dict[str, Any], without: tuple
     if "torch-cuda-calls" not in without:
         for name, value in calls.items():
             setattr(cuda, name, value)
-        _applied("torch-cuda-calls")
+        standins.shim_applied("torch-cuda-calls")
     if "emulated-memory" in without:
         return
     cuda.empty_cache = lambda: _reset_peak()
@@ -188,7 +183,7 @@ def _torch_cuda(torch: types.ModuleType, devices: dict[str, Any], without: tuple
     cuda.mem_get_info = lambda *a: (total - used(), total)
     cuda.max_memory_allocated = lambda *a: used()
     cuda.memory_allocated = lambda *a: used()
-    _applied("emulated-memory")
+    standins.shim_applied("emulated-memory")
 
 
 def _gloo(torch: types.ModuleType) -> None:
@@ -206,7 +201,7 @@ def _gloo(torch: types.ModuleType) -> None:
 
     dist.init_process_group = gloo(dist.init_process_group, 0)
     dist.new_group = gloo(dist.new_group, 2)
-    _applied("gloo-for-nccl")
+    standins.shim_applied("gloo-for-nccl")
 
 
 class UnwrittenParameters(RuntimeError):
@@ -347,7 +342,7 @@ def _load_check(vllm_loader: types.ModuleType) -> None:
 
     vllm_loader._initialize_model = nan_filled  # type: ignore[attr-defined]
     vllm_loader.DefaultModelLoader.load_model = checked
-    _applied("load-check")
+    standins.shim_applied("load-check")
 
 
 CHECKS = {"load-check": "every model parameter is NaN before the loader runs and none is after (the checkpoint "

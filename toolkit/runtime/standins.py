@@ -375,8 +375,13 @@ def _registry_check_forked(vllm_registry: types.ModuleType) -> None:
 
     forked.__wrapped__ = original  # type: ignore[attr-defined]  # the vendor's own, for a test to restore
     vllm_registry._run_in_subprocess = forked  # type: ignore[attr-defined]
-    if REGISTRY_SHIM[0] not in RECORD.setdefault("shims", []):
-        RECORD["shims"].append(REGISTRY_SHIM[0])
+    shim_applied(REGISTRY_SHIM[0])
+
+
+def shim_applied(name: str) -> None:
+    """A shim this process applied, in its record (once)."""
+    if name not in RECORD.setdefault("shims", []):
+        RECORD["shims"].append(name)
 
 
 SITECUSTOMIZE = '''\
