@@ -317,11 +317,10 @@ def emulate(devices: dict[str, Any]) -> None:
     _record_at_exit()
 
 
-REGISTRY_SHIM = ("registry-check-forked",
-                 "vLLM's registry inspects a lazily registered model class in a child process so that its parent never "
-                 "initialises CUDA (`_run_in_subprocess`: a fresh interpreter that imports torch and vLLM again, 6-8 s "
-                 "a check); here the child is a fork of the process that asks, which has no CUDA to protect: the same "
-                 "inspection in its own process, its result or its traceback returned as there")
+# vLLM's registry inspects a lazily registered model class in a child process so that its parent never initialises
+# CUDA (`_run_in_subprocess`: a fresh interpreter that imports torch and vLLM again, 6-8 s a check); here the child is
+# a fork of the process that asks, which has no CUDA to protect (README: the shim table)
+REGISTRY_SHIM = "registry-check-forked"
 # what a fork child accumulated by itself: the rest of the record (the libraries, the devices) is its parent's too
 _PER_PROCESS = ("modules", "calls", "absent_imports", "patched", "patch_misses")
 
@@ -369,13 +368,17 @@ def _registry_check_forked(vllm_registry: types.ModuleType) -> None:
     original = vllm_registry._run_in_subprocess
 
     def forked(fn: Callable[[], Any]) -> Any:
-        # the plugins load first in the child, as `registry._run` loads them before it calls fn
         plugins = importlib.import_module("vllm.plugins")
-        return _in_fork(lambda: (plugins.load_general_plugins(), fn())[1])
+
+        def run() -> Any:  # the plugins first, as `registry._run` loads them before it calls fn
+            plugins.load_general_plugins()
+            return fn()
+
+        return _in_fork(run)
 
     forked.__wrapped__ = original  # type: ignore[attr-defined]  # the vendor's own, for a test to restore
     vllm_registry._run_in_subprocess = forked  # type: ignore[attr-defined]
-    shim_applied(REGISTRY_SHIM[0])
+    shim_applied(REGISTRY_SHIM)
 
 
 def shim_applied(name: str) -> None:
