@@ -158,3 +158,47 @@ def test_a_failed_outlines_compile_names_the_step_and_the_error(tmp_path: Path) 
     said = str(raised.value)
     assert said.startswith("compiling outlines' numba functions in the new CPU runtime failed (exit 1):"), said
     assert "ModuleNotFoundError: No module named" in said and raised.value.hint.startswith("run again"), said
+
+
+_SLOW_BUILD = """
+import sys, time
+from pathlib import Path
+from toolkit.inputs import cached_tree
+
+target, log = Path(sys.argv[1]), Path(sys.argv[2])
+
+def build(tree, scratch):
+    with log.open("a") as f:
+        f.write("built\\n")
+    time.sleep(1.5)
+    tree.mkdir()
+    (tree / "file").write_text("x")
+
+got = cached_tree(target, build)
+print((got / "file").read_text())
+"""
+
+
+def test_two_processes_asking_for_one_cache_folder_build_it_once(tmp_path: Path) -> None:
+    """Two test workers fetched the reference wheel at once; the second one's rename replaced the folder while the
+    first one's lint rule was reading it (FileNotFoundError in CI). One builds, the other waits and reads it."""
+    target, log = tmp_path / "cache" / "thing", tmp_path / "builds.log"
+    procs = [subprocess.Popen([sys.executable, "-c", _SLOW_BUILD, str(target), str(log)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outputs == ["x\n", "x\n"]
+    assert log.read_text() == "built\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == [".thing.lock", "thing"]
+
+
+def test_a_cache_folder_without_its_marker_is_refused_and_kept(tmp_path: Path) -> None:
+    from toolkit.inputs import cached_tree
+
+    target = tmp_path / "thing"
+    target.mkdir()
+    (target / "theirs").write_text("kept")
+    with pytest.raises(InputError) as raised:
+        cached_tree(target, lambda tree, scratch: tree.mkdir())
+    assert str(target) in str(raised.value) and "remove" in (raised.value.hint or "")
+    assert (target / "theirs").read_text() == "kept"

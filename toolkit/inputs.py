@@ -4,8 +4,8 @@ by pip (the one `pip download` helper), their versions, and the cache they are k
 from __future__ import annotations
 
 import ast
+import fcntl
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,19 +39,29 @@ COMPLETE = ".complete"  # written last into a cached folder: a folder without it
 
 
 def cached_tree(target: Path, build: Callable[[Path, Path], None]) -> Path:
-    """A cache folder built once and atomically: build(tree, scratch) fills `tree` (scratch is thrown away)."""
+    """A cache folder built once and atomically: build(tree, scratch) fills `tree` (scratch is thrown away).
+
+    Builds of one folder are serialised by a lock file beside it: two processes that both found it missing (two
+    test workers, two CI jobs on one cache) would otherwise both build it and the second rename would replace the
+    folder while the first one's caller reads it."""
     if (target / COMPLETE).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        tree, scratch = Path(tmp) / "tree", Path(tmp) / "scratch"
-        scratch.mkdir()
-        build(tree, scratch)
-        tree.mkdir(exist_ok=True)
-        (tree / COMPLETE).write_text("ok\n")
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if (target / COMPLETE).exists():  # built by whoever held the lock before us
+            return target
         if target.exists():
-            shutil.rmtree(target)
-        tree.rename(target)
+            raise InputError(f"cache folder {target} exists but has no {COMPLETE} marker: this tool did not finish "
+                             "writing it, so it is left as it is",
+                             hint=f"remove {target} (or point TOOLKIT_CACHE_DIR elsewhere) and run again")
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+            tree, scratch = Path(tmp) / "tree", Path(tmp) / "scratch"
+            scratch.mkdir()
+            build(tree, scratch)
+            tree.mkdir(exist_ok=True)
+            (tree / COMPLETE).write_text("ok\n")
+            tree.rename(target)
     return target
 
 

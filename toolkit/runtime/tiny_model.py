@@ -4,8 +4,7 @@ What the served code depends on is kept: the architecture and model_type, the he
 heads, the served dtype, the tensor names of the published checkpoint (the names a loader's `load_weights` maps),
 the family's special tokens; everything else is shrunk (a vocabulary of a few hundred). The KV heads are the
 tensor-parallel size, so every rank holds whole heads. Seeded: the same spec gives the same bytes. Built by the CPU
-runtime's Python (run as a script), cached by the spec's content hash, written to a temporary folder and renamed
-into place.
+runtime's Python (run as a script), cached by the spec's content hash, built once (`inputs.cached_tree`).
 
 Two families:
 - a single config (Qwen2): 4 layers, transformers builds the model from its config and writes it;
@@ -28,9 +27,7 @@ takes it stops with a shape error naming it.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -149,26 +146,21 @@ def real_names(folder: Path) -> list[str]:
 def build(spec: dict[str, Any], python: Path, cache: Path) -> Path:
     """The checkpoint folder for `spec` under `cache`, built once by `python` (the CPU runtime)."""
     from toolkit.errors import ToolkitError
+    from toolkit.inputs import cached_tree
     from toolkit.pyenv import build_key, script
 
     target = cache / f"tiny-{spec['model_type']}-{build_key(json.dumps(spec, sort_keys=True), files=[Path(__file__)])}"
-    if (target / "config.json").is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    partial = cache / f"{target.name}.partial-{os.getpid()}"
-    print(f"[tiny-model] building {spec['architecture']} ({spec['num_hidden_layers']} layers, "
-          f"{spec['num_attention_heads']}:{spec['num_key_value_heads']} heads of {spec['head_dim']}) in {target}",
-          file=sys.stderr)
-    proc = subprocess.run(script(python, Path(__file__), json.dumps(spec), str(partial)), capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        shutil.rmtree(partial, ignore_errors=True)  # ours: made by this call
-        raise ToolkitError(f"building the tiny {spec['architecture']} failed:\n{proc.stderr[-3000:]}")
-    try:
-        partial.rename(target)
-    except OSError:  # another build finished first: its folder is the same bytes
-        shutil.rmtree(partial, ignore_errors=True)
-    return target
+
+    def write(tree: Path, scratch: Path) -> None:
+        print(f"[tiny-model] building {spec['architecture']} ({spec['num_hidden_layers']} layers, "
+              f"{spec['num_attention_heads']}:{spec['num_key_value_heads']} heads of {spec['head_dim']}) in {target}",
+              file=sys.stderr)
+        proc = subprocess.run(script(python, Path(__file__), json.dumps(spec), str(tree)), capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise ToolkitError(f"building the tiny {spec['architecture']} failed:\n{proc.stderr[-3000:]}")
+
+    return cached_tree(target, write)
 
 
 # -- run in the CPU runtime -------------------------------------------------------------------------------------
