@@ -4,8 +4,10 @@ what is missing."""
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import libcst as cst
 from packaging.specifiers import SpecifierSet
@@ -14,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 from toolkit.engine.codec import TextFile
 from toolkit.markers import append_markers, read_markers
 from toolkit.results import State
-from toolkit.transforms.base import EditKind, ModuleEdit, TransformBase, decide
+from toolkit.transforms.base import EditKind, ModuleEdit, TransformBase, decide, edit_key
 
 NOT_APPLIED = "not applied: the pre-state is still there (run `toolkit apply`)"
 
@@ -71,10 +73,31 @@ def _read(rel: str, data: bytes, check: bool) -> tuple[TextFile, cst.Module] | s
         return f"does not parse ({exc.message} at {exc.raw_line}:{exc.raw_column})"
 
 
+# One build plans each file twice (the build, then preflight's patched copy) and a test process plans the same
+# trees many times; parsing and rewriting is most of that time. An evaluation is a function of the key alone.
+_MEMO: OrderedDict[tuple[object, ...], Evaluation] = OrderedDict()
+MEMO_SIZE = 256  # files; the flagship edits 17
+
+
 def evaluate(rel: str, data: bytes | None, kinds: list[EditKind], version: str | None, *, check: bool = False,
              marked: Collection[str] = ()) -> Evaluation:
     """Plan (check=False: rewrite what is due, then compile the result) or check (check=True: what is due is
     missing, and so is a marker `marked` says toolkit wrote) the transforms `kinds` of the file `rel`."""
+    key = (rel, None if data is None else hashlib.sha256(data).digest(), tuple(edit_key(k) for k in kinds), version,
+           check, tuple(sorted(marked)) if check else ())
+    found = _MEMO.get(key)
+    if found is None:
+        found = _MEMO[key] = _evaluate(rel, data, kinds, version, check, marked)
+        while len(_MEMO) > MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    else:
+        _MEMO.move_to_end(key)
+    # the memo's lists are its own: a caller that extends its copy changes no later answer
+    return replace(found, states=list(found.states), edits=list(found.edits))
+
+
+def _evaluate(rel: str, data: bytes | None, kinds: list[EditKind], version: str | None, check: bool,
+              marked: Collection[str]) -> Evaluation:
     out = Evaluation()
     specs = [k.spec for k in kinds]
     if data is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -22,13 +23,17 @@ def _method_calls(text: str, method: str) -> Iterator[ast.Call]:
             yield node
 
 
-def flags_in_source(text: str) -> set[str]:
+# lint reads the same release files for every recipe and variant it checks (a grid build lints each variant):
+# parsing is the cost, and the answer is a function of the text
+@functools.lru_cache(maxsize=512)
+def flags_in_source(text: str) -> frozenset[str]:
     """Every `--flag` given as a positional string to an `add_argument(...)` call."""
-    return {arg.value[2:] for call in _method_calls(text, "add_argument") for arg in call.args
-            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("--")}
+    return frozenset({arg.value[2:] for call in _method_calls(text, "add_argument") for arg in call.args
+                      if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("--")})
 
 
-def tool_parsers_in_source(text: str) -> set[str]:
+@functools.lru_cache(maxsize=512)
+def tool_parsers_in_source(text: str) -> frozenset[str]:
     """Names registered with `@ToolParserManager.register_module("name")` (a string or a list of them)."""
     found: set[str] = set()
     for call in _method_calls(text, "register_module"):
@@ -36,7 +41,7 @@ def tool_parsers_in_source(text: str) -> set[str]:
             first = call.args[0]
             values: Iterable[ast.expr] = first.elts if isinstance(first, ast.List | ast.Tuple) else [first]
             found.update(v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str))
-    return found
+    return frozenset(found)
 
 
 def release_flags(tree: Path) -> set[str]:

@@ -126,6 +126,14 @@ class EditKind(Protocol):
     def rewrite(self, module: cst.Module) -> cst.Module: ...
 
 
+def edit_key(kind: EditKind) -> str:
+    """Everything an edit's count and rewrite depend on besides the module: a kind's code is fixed within a process,
+    so its recipe model, plus what it read from outside the module (`read`: the text a replace-body takes from the
+    patches folder). Evaluations are memoised by it: a key that missed an input would serve a stale rewrite."""
+    read = getattr(kind, "read", None)
+    return json.dumps([type(kind).__qualname__, kind.spec.model_dump(mode="json"), read], sort_keys=True)
+
+
 class FileKind(Protocol):
     """A file or link placed in every vendor root (relative target) or in the image filesystem (absolute)."""
 

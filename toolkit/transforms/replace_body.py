@@ -60,7 +60,8 @@ class ReplaceBodyKind:
         path, _, qualname = spec.source.partition(":")
         source_file = ctx.patches_dir / path
         try:
-            source_module = cst.parse_module(source_file.read_text(encoding="utf-8"))
+            self.read = source_file.read_text(encoding="utf-8")  # an input of the rewrite (base.edit_key)
+            source_module = cst.parse_module(self.read)
         except FileNotFoundError:
             raise ToolkitError(
                 f"transform {spec.id}: source file {source_file} not found",
