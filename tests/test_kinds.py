@@ -374,3 +374,33 @@ def test_dispatch_switch_selects_the_path(cli, tmp_path: Path, monkeypatch: pyte
             vllm.ops.scale(3)
     for name in [m for m in sys.modules if m.split(".")[0] in ("vllm", "fastpkg")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_the_evaluation_memo_sees_every_input_and_hands_out_its_own_lists(tmp_path: Path) -> None:
+    """evaluate() is memoised: the same module planned again with the replace-body source changed on disk (a recipe
+    copy with an edited patches file, in one process) rewrites to the new body, and a caller that extends the
+    states it got changes no later answer."""
+    from pydantic import TypeAdapter
+
+    from toolkit.engine.evaluate import evaluate
+    from toolkit.recipe import Transform
+    from toolkit.transforms import edit_kind
+    from toolkit.transforms.base import Context
+
+    module = b"def f(x):\n    return x\n"
+    source = tmp_path / "fast.py"
+    spec = TypeAdapter(Transform).validate_python({"id": "body", "kind": "replace-body", "file": "m.py", "scope": "f",
+                                                   "source": "fast.py:f", **PROVENANCE})
+
+    def plan() -> Any:
+        return evaluate("m.py", module, [edit_kind(spec, Context(patches_dir=tmp_path))], None)
+
+    source.write_text("def f(x):\n    return x + 1\n")
+    first = plan()
+    assert first.text is not None and "return x + 1" in first.text
+    first.states.append(first.states[0])
+    again = plan()
+    assert len(again.states) == 1 and again.text == first.text
+    source.write_text("def f(x):\n    return x * 2\n")
+    changed = plan()
+    assert changed.text is not None and "return x * 2" in changed.text and "x + 1" not in changed.text
