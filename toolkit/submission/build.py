@@ -341,10 +341,27 @@ def push(outdir: Path, url: str, branches: list[str]) -> None:
 
 
 def add_branch(repo_dir: Path, source: Path, branch: str) -> str:
-    """Fetch the single commit of another built repository into repo_dir as a branch."""
+    """The single commit of another built repository, as a branch of repo_dir.
+
+    Its objects are copied over as the loose files they are (content-addressed: a name that exists already holds the
+    same bytes), which takes a fraction of what a `git fetch` costs per branch; a source whose objects were packed
+    is fetched."""
+    objects = source / ".git" / "objects"
+    if any((objects / "pack").glob("*.pack")):
+        repo = git.Repo(repo_dir)
+        repo.git.fetch(str(source), f"+HEAD:refs/heads/{branch}")
+        return str(repo.git.rev_parse(f"refs/heads/{branch}"))
+    ours = repo_dir / ".git" / "objects"
+    for loose in sorted(objects.glob("[0-9a-f][0-9a-f]/*")):
+        target = ours / loose.parent.name / loose.name
+        if not target.exists():
+            target.parent.mkdir(exist_ok=True)
+            shutil.copyfile(loose, target)
+    commit = git.Repo(source).head.commit.hexsha
     repo = git.Repo(repo_dir)
-    repo.git.fetch(str(source), f"+HEAD:refs/heads/{branch}")
-    return str(repo.git.rev_parse(f"refs/heads/{branch}"))
+    repo.git.update_ref(f"refs/heads/{branch}", commit)
+    repo.git.fsck("--connectivity-only", "--no-dangling", commit)  # every object the branch needs is here
+    return commit
 
 
 @dataclass(frozen=True)
