@@ -23,6 +23,9 @@ from toolkit.inputs import fetch_reference
 REPO = Path(__file__).resolve().parent.parent
 
 
+GITCONFIG = pytest.StashKey[Path]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """No test reaches GitHub, on any machine: the flagship's adapter URL (and any other github.com URL) is
     rewritten by git to a folder that does not exist, so `toolkit build` without --source meets an unreachable
@@ -32,9 +35,16 @@ def pytest_configure(config: pytest.Config) -> None:
     gitconfig.write_text('[url "file:///nonexistent/github.com/"]\n\tinsteadOf = https://github.com/\n'
                          "[user]\n\tname = toolkit tests\n\temail = tests@localhost\n")
     os.environ["GIT_CONFIG_GLOBAL"] = str(gitconfig)
+    config.stash[GITCONFIG] = gitconfig.parent
     # two workers on two cores: a process with more OpenMP threads than its share spins them against the other
     # worker's (measured: test_generate and test_prefix_state side by side took 351 s, with one thread each 181 s)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(GITCONFIG, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)  # made by pytest_configure above
 
 
 # the files whose tests start servers: one xdist scope, so no two of their servers run at once (a rehearsal refuses

@@ -4,8 +4,10 @@ weight_loader, default_weight_loader), prefill then decode, every native switch 
 per switch, the largest difference between the two and whether the native path is what ran (profiling record).
 """
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -15,6 +17,8 @@ import torch
 # fixed path names to look for; the profile written at exit goes to a folder of its own
 os.environ.update(TOOLKIT_PROFILE="1", MOE_SMALL_BATCH_VARIANT="segments",
                   TOOLKIT_PROFILE_DIR=tempfile.mkdtemp(prefix="runtime-adapter-profile-"))
+# registered before the profiler's own exit hook, so it runs after the profile is written
+atexit.register(shutil.rmtree, os.environ["TOOLKIT_PROFILE_DIR"], True)
 
 
 def compare(name, call, profile_name, results):

@@ -3,8 +3,10 @@ test_preflight.py): the KV accounting through vLLM's own config and cache code, 
 model over the caches vLLM's CacheEngine allocates, under each HYBRID_KV_ACCOUNTING value. Prints one JSON object.
 """
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -21,6 +23,7 @@ BLOCK = 16
 def checkpoint(shape):
     """A composite Qwen3.6 config.json (the text model under text_config), as the served checkpoint's."""
     folder = tempfile.mkdtemp(prefix="kv-config-")
+    atexit.register(shutil.rmtree, folder, True)  # this script made it; nothing of it outlives the run
     text = dict(shape, full_attention_interval=4, max_position_embeddings=4096)
     with open(os.path.join(folder, "config.json"), "w") as handle:
         json.dump({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe",

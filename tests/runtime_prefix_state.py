@@ -12,8 +12,10 @@ conversation workload's hit rates, `stale` for a request restored from another r
 in the four configurations.
 """
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -29,6 +31,7 @@ CONFIG = {"hidden_size": 32, "num_hidden_layers": 8, "num_attention_heads": 2, "
 
 def checkpoint():
     folder = tempfile.mkdtemp(prefix="prefix-state-config-")
+    atexit.register(shutil.rmtree, folder, True)  # this script made it; nothing of it outlives the run
     with open(os.path.join(folder, "config.json"), "w") as handle:
         json.dump({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe",
                    "torch_dtype": "float32", "text_config": CONFIG}, handle)
