@@ -277,3 +277,30 @@ def test_the_payload_holds_the_packages_a_module_runs_under() -> None:
     # importing toolkit.runtime.env runs toolkit/runtime/__init__.py first, though nothing imports it by name
     assert {"__init__.py", "runtime/__init__.py", "runtime/env.py", "pyenv.py"} <= shipped
     assert not {p for p in shipped if p.startswith(("bench/", "cli.py", "image.py", "pinned.py"))}
+
+
+def _one_commit_repo(folder: Path, files: dict[str, str]) -> git.Repo:
+    repo = git.Repo.init(folder, initial_branch="main")
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    repo.git.add("--all")
+    repo.index.commit("c", author=submission.AUTHOR, committer=submission.AUTHOR)
+    return repo
+
+
+def test_a_branch_whose_objects_are_incomplete_is_refused_and_no_ref_names_it(tmp_path: Path) -> None:
+    from toolkit.errors import ToolkitError
+
+    main = _one_commit_repo(tmp_path / "main", {"a.txt": "same\n"})
+    variant = _one_commit_repo(tmp_path / "variant", {"a.txt": "same\n", "b.txt": "only the variant's\n"})
+    blob = variant.git.rev_parse("HEAD:b.txt")
+    (tmp_path / "variant" / ".git" / "objects" / blob[:2] / blob[2:]).unlink()
+    with pytest.raises(ToolkitError) as raised:
+        submission.add_branch(tmp_path / "main", tmp_path / "variant", "variant/x")
+    assert "branch variant/x: its commit" in str(raised.value)
+    assert [h.name for h in main.heads] == ["main"]
+    assert not list((tmp_path / "main" / ".git" / "objects").glob("*/tmp_obj_*"))
+    whole = _one_commit_repo(tmp_path / "whole", {"a.txt": "same\n", "b.txt": "only the variant's\n"})
+    assert submission.add_branch(tmp_path / "main", tmp_path / "whole", "variant/y") == whole.head.commit.hexsha
+    main.git.fsck("--strict")
+    assert main.commit("variant/y").tree["b.txt"].data_stream.read() == b"only the variant's\n"

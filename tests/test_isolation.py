@@ -170,7 +170,7 @@ target, log = Path(sys.argv[1]), Path(sys.argv[2])
 def build(tree, scratch):
     with log.open("a") as f:
         f.write("built\\n")
-    time.sleep(1.5)
+    time.sleep(3)
     tree.mkdir()
     (tree / "file").write_text("x")
 
@@ -184,10 +184,12 @@ def test_two_processes_asking_for_one_cache_folder_build_it_once(tmp_path: Path)
     first one's lint rule was reading it (FileNotFoundError in CI). One builds, the other waits and reads it."""
     target, log = tmp_path / "cache" / "thing", tmp_path / "builds.log"
     procs = [subprocess.Popen([sys.executable, "-c", _SLOW_BUILD, str(target), str(log)], stdout=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outputs = [p.communicate(timeout=60)[0] for p in procs]
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
-    assert outputs == ["x\n", "x\n"]
+    assert [out for out, _ in outputs] == ["x\n", "x\n"]
+    waited = [err for _, err in outputs if f"waiting for another process that is building {target}" in err]
+    assert len(waited) == 1, outputs  # the one that waited said so
     assert log.read_text() == "built\n"
     assert sorted(p.name for p in target.parent.iterdir()) == [".thing.lock", "thing"]
 

@@ -48,7 +48,11 @@ def cached_tree(target: Path, build: Callable[[Path, Path], None]) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        try:  # released when the file closes, also when this process dies
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process that is building {target}", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / COMPLETE).exists():  # built by whoever held the lock before us
             return target
         if target.exists():

@@ -356,11 +356,20 @@ def add_branch(repo_dir: Path, source: Path, branch: str) -> str:
         target = ours / loose.parent.name / loose.name
         if not target.exists():
             target.parent.mkdir(exist_ok=True)
-            shutil.copyfile(loose, target)
+            # under a temporary name first, as git writes objects: a copy cut short never holds an object's name
+            partial = target.with_name(f"tmp_obj_{os.getpid()}_{loose.name}")
+            shutil.copyfile(loose, partial)
+            os.chmod(partial, 0o444)
+            os.replace(partial, target)
     commit = git.Repo(source).head.commit.hexsha
     repo = git.Repo(repo_dir)
-    repo.git.update_ref(f"refs/heads/{branch}", commit)
-    repo.git.fsck("--connectivity-only", "--no-dangling", commit)  # every object the branch needs is here
+    try:
+        repo.git.fsck("--connectivity-only", "--no-dangling", commit)  # every object it needs is here, before
+        repo.git.update_ref(f"refs/heads/{branch}", commit)           # any ref names it
+    except git.GitCommandError as exc:
+        raise ToolkitError(f"branch {branch}: its commit {commit[:12]} could not be added to {repo_dir} "
+                           f"({exc.stderr.strip()})",
+                           hint="build again; main and the branches added before this one are complete") from None
     return commit
 
 
