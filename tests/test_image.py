@@ -58,7 +58,7 @@ def recipe_for(tmp_path: Path, base: str) -> Path:
 
 
 def test_full_image_flow(cli, base_images: dict[str, str], adapter_args: list[str], tmp_path: Path) -> None:
-    # the stand-in adapter bundled, with the fixture's replacement expectations baked into the submission
+    # the pinned adapter bundled, with the fixture's replacement expectations baked into the submission
     result = cli("build", recipe_for(tmp_path, base_images["good"]), "-o", tmp_path / "sub", *adapter_args,
                  "--image", "toolkit-test/submission:flow", "--json")
     assert result.code == 0, result.err[-3000:]
@@ -101,9 +101,9 @@ def test_a_source_fetched_by_the_host_builds_without_git_or_network(cli, engine:
                                                                    vllm_063: Path, tmp_path: Path) -> None:
     """No --source: `toolkit build` clones the adapter from its URL (file:// here) into its cache and bundles it;
     the image build runs with no network (network_mode none) from a base image that has no git."""
-    from standin_adapter import make_repo
+    from pinned_adapter import make_repo
 
-    bare, commit = make_repo(tmp_path / "remote", vllm_063)
+    bare, commit = make_repo(tmp_path / "remote")
     recipe = recipe_for(tmp_path, base_images["good"])
     data = yaml.safe_load(recipe.read_text())
     data["sources"][0].update(git=f"file://{bare}", commit=commit, fetch="host")
@@ -116,3 +116,17 @@ def test_a_source_fetched_by_the_host_builds_without_git_or_network(cli, engine:
     assert f"source qwen36-adapter: cloning file://{bare}" in result.err
     assert "[ok] source qwen36-adapter: " in result.err and "fetch source" not in result.err
     assert "== summary: ok," in result.err
+
+
+def test_build_log_lines_are_whole_across_stream_chunks() -> None:
+    """Docker cuts the build's text anywhere: a line split over two chunks is one line, an [ok] and a [FAIL] kept
+    whole, and the error comes after the text that preceded it."""
+    from toolkit.submission.image import StreamError, whole_lines
+
+    chunks = [{"stream": "Step 1/3 : FROM base\n[o"}, {"stream": "k] adapter-model APPLIED\n[FA"},
+              {"stream": "IL] register-qwen3-5 DRIFTED (recipe.yaml:12)\r\n"}, {"stream": "tail without newline"},
+              {"error": "The command returned a non-zero code: 1\n"}]
+    assert list(whole_lines(chunks)) == [
+        "Step 1/3 : FROM base", "[ok] adapter-model APPLIED", "[FAIL] register-qwen3-5 DRIFTED (recipe.yaml:12)",
+        "tail without newline", StreamError("The command returned a non-zero code: 1")]
+    assert list(whole_lines([{"stream": "a"}, {"stream": "b"}])) == ["ab"]

@@ -7,7 +7,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -63,22 +63,47 @@ def committed_context(outdir: Path) -> io.BytesIO:
     return context
 
 
+@dataclass(frozen=True)
+class StreamError:
+    error: str
+
+
+def whole_lines(chunks: Iterable[dict[str, Any]]) -> Iterator[str | StreamError]:
+    """The build stream's text as whole lines, and its error: Docker cuts its `stream` text into chunks anywhere,
+    also inside a line (an `[ok]` or `[FAIL]` line cut in two would be printed, and looked for, as two)."""
+    pending = ""
+    for chunk in chunks:
+        pending += chunk.get("stream") or ""
+        *done, pending = pending.split("\n")
+        yield from (line.rstrip("\r") for line in done)
+        if "error" in chunk:
+            if pending:
+                yield pending.rstrip("\r")
+                pending = ""
+            yield StreamError(str(chunk["error"]).strip())
+    if pending:
+        yield pending.rstrip("\r")
+
+
 def build_image(outdir: Path, tag: str, log: Log = _print) -> ImageBuild:
     """`docker build` of the committed submission with the legacy builder and no network, streaming the log."""
     api = client().api
     lines: list[str] = []
     error = None
-    for chunk in api.build(fileobj=committed_context(outdir), custom_context=True, tag=tag, rm=True, forcerm=True,
-                           decode=True, network_mode="none"):
-        text = chunk.get("stream") or ""
-        for line in text.splitlines():
-            if line.strip():
-                lines.append(line)
-                log(line)
-        if "error" in chunk:
-            error = chunk["error"].strip()
-            lines.append(error)
-            log(error)
+
+    def keep(line: str) -> None:
+        if line.strip():
+            lines.append(line)
+            log(line)
+
+    stream = api.build(fileobj=committed_context(outdir), custom_context=True, tag=tag, rm=True, forcerm=True,
+                       decode=True, network_mode="none")
+    for item in whole_lines(stream):
+        if isinstance(item, str):
+            keep(item)
+        else:
+            error = item.error
+            keep(error)
     if error is not None:
         fails = [ln for ln in lines if ln.startswith("[FAIL]")]
         raise ImageError("image build failed: " + ("; ".join(fails) if fails else error),
