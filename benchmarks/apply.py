@@ -72,7 +72,7 @@ def text_replacement(rootfs: Path) -> None:
     os.symlink("libcusolver.so.11", rootfs / "usr/local/corex/lib64/libcusolver.so")
 
 
-PINNED: dict[str, Path] = {}  # the stand-in adapter (tests/standin_adapter.py), exported once in main()
+PINNED: dict[str, Path] = {}  # the adapter's pinned files (tests/pinned_adapter.py), exported once in main()
 
 
 def toolkit_apply_verify(rootfs: Path) -> None:
@@ -107,11 +107,15 @@ def main() -> int:
         work = Path(tmp)
         reference = fetch_reference(COREX_BASE)
         template = make_rootfs(reference, work / "template")
-        # the adapter is third-party and never here: the tests' stand-in has its layout and anchors
+        # the adapter is third-party and never here: its pinned files from ../shared, in a repository of our own
         sys.path.insert(0, str(REPO / "tests"))
-        from standin_adapter import make_repo
+        import pinned_adapter
 
-        clone, pin = make_repo(work / "adapter", reference)
+        try:
+            pinned_adapter.check_copy()
+        except pinned_adapter.PinMismatch as exc:
+            raise SystemExit(f"apply benchmark: {exc}") from None
+        clone, pin = pinned_adapter.make_repo(work / "adapter")
         overrides: dict[str, tuple[str, str | None]] = {"qwen36-adapter": (str(clone), pin)}
         PINNED.update(resolve_pinned(load_recipe(RECIPE).recipe, RECIPE.parent, overrides)[0])
         # one warm-up each so imports and the page cache do not count against either side

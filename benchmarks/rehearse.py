@@ -8,8 +8,9 @@ the whole rehearsal on 2 cores).
 
     python benchmarks/rehearse.py [--source qwen36-adapter=CLONE@COMMIT] [--tp 2]
 
-Without --source the stand-in adapter (tests/standin_adapter.py) is laid out in a temporary clone: the real
-adapter is third-party code this repository never holds.
+Without --source the adapter's files at the flagship's pin (../shared/qwen36-adapter-5a1c8c7, checked against its
+BLOBS.txt by tests/pinned_adapter.py) are committed into a temporary repository: the adapter is third-party code
+this repository never holds. Exits 1 when a check fails (a rehearsal that fails is no time to report).
 """
 
 from __future__ import annotations
@@ -23,19 +24,21 @@ from pathlib import Path
 
 from toolkit.commands.common import Inputs
 from toolkit.commands.rehearse import RehearseRequest, rehearse
-from toolkit.corexlike import COREX_BASE
-from toolkit.inputs import fetch_reference
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "bi100-qwen36.yaml"
 GOAL_S = 180.0
 
 
-def _standin(work: Path) -> str:
+def _pinned(work: Path) -> str:
     sys.path.insert(0, str(REPO / "tests"))
-    import standin_adapter
+    import pinned_adapter
 
-    clone, commit = standin_adapter.make_repo(work, fetch_reference(COREX_BASE))
+    try:
+        pinned_adapter.check_copy()
+    except pinned_adapter.PinMismatch as exc:
+        raise SystemExit(f"rehearse benchmark: {exc}") from None
+    clone, commit = pinned_adapter.make_repo(work)
     return f"{clone}@{commit}"
 
 
@@ -51,13 +54,13 @@ def _timed(request: RehearseRequest) -> tuple[float, dict[str, object]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", help="qwen36-adapter=CLONE@COMMIT (default: the stand-in adapter)")
+    parser.add_argument("--source", help="qwen36-adapter=CLONE@COMMIT (default: the pinned files in ../shared)")
     parser.add_argument("--tp", type=int, default=None, help="tensor parallel size (default: the rehearsal's, 2)")
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-rehearse-") as tmp:
         work = Path(tmp)
-        source = args.source.partition("=")[2] if args.source else _standin(work)
+        source = args.source.partition("=")[2] if args.source else _pinned(work)
         inputs = Inputs(sources={"qwen36-adapter": source})
         print("rehearse benchmark: baseline (start + one short request)...", file=sys.stderr, flush=True)
         base_s, base = _timed(RehearseRequest(RECIPE, inputs, tp=args.tp, output=work / "baseline",
@@ -75,7 +78,7 @@ def main() -> int:
         print(f"ratio rehearsal / baseline:       {full_s / base_s:6.2f}")
         print(f"goal: under {GOAL_S:.0f} s: {'met' if full_s < GOAL_S else 'NOT met'}"
               + (f"; failed checks: {', '.join(full['failed'])}" if full["failed"] else ""))
-    return 0
+    return 1 if full["failed"] or base["failed"] else 0
 
 
 if __name__ == "__main__":

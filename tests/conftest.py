@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pinned_adapter
 import pytest
 import yaml
-from standin_adapter import make_repo
 
 from toolkit.cli import main
 from toolkit.corexlike import COREX_BASE, COREX_ROOTS, corexify, make_rootfs
@@ -140,9 +140,10 @@ def transformers_455() -> Path:
 
 
 @pytest.fixture(scope="session")
-def standin(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A bare clone of the stand-in model adapter and its commit."""
-    return make_repo(tmp_path_factory.mktemp("standin"), vllm_063)
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A bare repository of the model adapter's files at the flagship's pin (tests/pinned_adapter.py) and its
+    commit."""
+    return pinned_adapter.make_repo(tmp_path_factory.mktemp("adapter"))
 
 
 def transformers_site(rootfs: Path, transformers: Path, full: bool = False) -> Path:
@@ -160,16 +161,16 @@ def transformers_site(rootfs: Path, transformers: Path, full: bool = False) -> P
 
 
 @pytest.fixture(scope="session")
-def adapter_args(standin: tuple[Path, str]) -> list[str]:
-    """The stand-in adapter instead of the pinned one (the fixture's replaced files are the real image's: no
-    --expect swap)."""
-    clone, commit = standin
+def adapter_args(adapter: tuple[Path, str]) -> list[str]:
+    """The pinned adapter's files from the suite's own repository of them (the fixture's replaced files are the
+    real image's: no --expect swap)."""
+    clone, commit = adapter
     return ["--source", f"qwen36-adapter={clone}@{commit}"]
 
 
 @pytest.fixture
 def flagship_args(adapter_args: list[str], corex_rootfs: Path, transformers_455: Path) -> list[str]:
-    """What the flagship needs on the fixture: the stand-in adapter and transformers."""
+    """What the flagship needs on the fixture: the pinned adapter and transformers."""
     site = transformers_site(corex_rootfs, transformers_455)
     return [*adapter_args, "--package-root", f"transformers={site}"]
 

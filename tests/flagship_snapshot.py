@@ -29,8 +29,8 @@ def _sha(data: bytes) -> str:
 
 
 def files_of(folder: Path, skip: tuple[str, ...] = (), unsaid: str = "") -> dict[str, str]:
-    """Path -> sha256 (or link target); `unsaid` is replaced by a fixed word first (the stand-in's commit, which
-    changes with the time the fixture was made)."""
+    """Path -> sha256 (or link target); `unsaid` is replaced by a fixed word first (the adapter repository's commit,
+    which changes with the time the test's repository was made)."""
     out: dict[str, str] = {}
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
@@ -76,16 +76,18 @@ def snapshot(recipe_path: Path, work: Path, adapter: list[str], package_root: li
 
 
 def fixture_inputs(work: Path) -> tuple[list[str], list[str], Path]:
-    """The stand-in adapter, the CoreX-like rootfs with transformers in it: what the suite's fixtures give."""
+    """The adapter's pinned files (tests/pinned_adapter.py), the CoreX-like rootfs with transformers in it: what the
+    suite's fixtures give."""
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import transformers_site
-    from standin_adapter import make_repo
+    from pinned_adapter import make_repo
 
     from toolkit.corexlike import COREX_BASE, make_rootfs
     from toolkit.inputs import fetch_reference
 
     vllm = fetch_reference(COREX_BASE)
-    clone, commit = make_repo(work / "standin", vllm)
+    (work / "adapter").mkdir()
+    clone, commit = make_repo(work / "adapter")
     rootfs = make_rootfs(vllm, work / "rootfs")
     site = transformers_site(rootfs, fetch_reference("transformers==4.55.3"))
     return ["--source", f"qwen36-adapter={clone}@{commit}"], ["--package-root", f"transformers={site}"], rootfs
@@ -111,6 +113,9 @@ def main() -> int:
         work = Path(tmp)
         adapter, package_root, rootfs = fixture_inputs(work)
         data = snapshot(FLAGSHIP, work, adapter, package_root, rootfs)
+        from pinned_adapter import PIN, PINNED
+
+        data["adapter"] = f"the pinned files of {PIN} ({PINNED.name}, checked against its BLOBS.txt)"
         shutil.rmtree(work / "submission")
     SNAPSHOT.parent.mkdir(exist_ok=True)
     SNAPSHOT.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,7 +1,8 @@
 """Run by the CPU runtime's Python with a patched vendor root first on sys.path (see test_preflight.py): the
-stand-in adapter's blocks with their weights held and loaded by vLLM's own layers (FusedMoE and its
-weight_loader, default_weight_loader), prefill then decode, every native switch off and on. Prints one JSON object:
-per switch, the largest difference between the two and whether the native path is what ran (profiling record).
+adapter's blocks (its files at the flagship's pin) with their weights held and loaded by vLLM's own layers
+(FusedMoE and its weight_loader, default_weight_loader), prefill then decode, every native switch off and on.
+Prints one JSON object: per switch, the largest difference between the two and whether the native path is what
+ran (profiling record).
 """
 
 import atexit
@@ -10,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import types
 
 import runtime_shims
 import torch
@@ -47,9 +49,11 @@ def main():
     results = {}
 
     experts, top_k, hidden, inter = 8, 2, 16, 6
-    block = qwen3_5.Qwen3_5MoeSparseBlock(experts, top_k, hidden, inter)
-    block.experts = FusedMoE(num_experts=experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
-                             params_dtype=torch.float32, reduce_results=False, renormalize=True)
+    # the adapter's block takes the text config; it keeps vLLM's FusedMoE for the experts' storage and loading
+    text_cfg = types.SimpleNamespace(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+                                     moe_intermediate_size=inter, shared_expert_intermediate_size=inter)
+    block = qwen3_5.Qwen3_5MoeSparseBlock(text_cfg)
+    assert isinstance(block.experts, FusedMoE)
     for e in range(experts):  # an HF checkpoint's per-expert tensors, through vLLM's own loader
         for shard, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
             param = block.experts.w2_weight if shard == "w2" else block.experts.w13_weight
@@ -66,7 +70,9 @@ def main():
     compare("RMSNORM_NATIVE", lambda: (norm(rows, rows * 2), norm(rows[:4], rows[:4] - 1)), "norm.gated",
             results)
 
+    # the adapter's caller repeats the key heads to the value heads' count before it calls the rule
     q, k = torch.randn(1, 71, 2, 8, generator=g), torch.randn(1, 71, 2, 8, generator=g)
+    q, k = q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2)
     v = torch.randn(1, 71, 4, 12, generator=g)
     gate, beta = -torch.rand(1, 71, 4, generator=g), torch.rand(1, 71, 4, generator=g)
     state0 = torch.zeros(1, 4, 8, 12)
@@ -81,6 +87,16 @@ def main():
         return out, step, final
 
     compare("CHUNK_PARALLEL", prefill_then_decode, "gdn.chunk", results)
+
+    # the adapter's MambaCacheManager over memory that held NaN (an allocator's reuse): the state it hands out
+    from vllm.model_executor.models import mamba_cache
+
+    real_torch, mamba_cache.torch = mamba_cache.torch, runtime_shims.PoisonedTorch()
+    try:
+        manager = mamba_cache.MambaCacheManager(torch.float32, 2, 3, (6, 3), (4, 8, 12))
+    finally:
+        mamba_cache.torch = real_torch
+    results["MAMBA_CACHE"] = {"finite": all(bool(torch.isfinite(t).all()) for t in manager.mamba_cache)}
 
     # vLLM's own linear layer: in the vendor tree its forward calls ixformer.functions.linear (stood in, mapped)
     from vllm.model_executor.layers.linear import ReplicatedLinear

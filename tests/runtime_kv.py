@@ -1,5 +1,5 @@
 """Run by the CPU runtime's Python with the patched vendor root and the patched transformers first on sys.path (see
-test_preflight.py): the KV accounting through vLLM's own config and cache code, then the stand-in adapter's hybrid
+test_preflight.py): the KV accounting through vLLM's own config and cache code, then the pinned adapter's hybrid
 model over the caches vLLM's CacheEngine allocates, under each HYBRID_KV_ACCOUNTING value. Prints one JSON object.
 """
 
@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
+import types
 
 import runtime_shims
 import torch
@@ -54,6 +55,26 @@ def metadata(seq_lens, query_lens, tables, slots):
         max_query_len=max(query_lens), max_decode_query_len=1, query_start_loc=starts)
 
 
+def rows(indices):
+    """What vLLM's LogitsProcessor reads of a SamplingMetadata: the rows to take logits of, and no per-request
+    logits processors."""
+    return types.SimpleNamespace(selected_token_indices=indices, seq_groups=[])
+
+
+def layer_numbered(module):
+    """The adapter's model module with its full-attention layers indexing the KV caches by layer number (as a model
+    written for 40 caches would): its own text with that one line changed."""
+    with open(module.__file__, encoding="utf-8") as handle:
+        text = handle.read()
+    anchor = "kv_cache = kv_caches[attn_idx]"
+    assert text.count(anchor) == 1, "the adapter's Qwen3_5Model.forward changed"
+    mutant = types.ModuleType(module.__name__ + "_layer_numbered")
+    mutant.__file__ = module.__file__
+    exec(compile(text.replace(anchor, "kv_cache = kv_caches[attn_idx + linear_idx]"), module.__file__, "exec"),
+         mutant.__dict__)
+    return mutant
+
+
 def generate(model, kv_caches, steps=4):
     """Greedy prefill then decode of two prompts over non-contiguous blocks; tokens and the last logits."""
     tables = [[3, 0, 6], [5, 1, 2]]
@@ -72,7 +93,7 @@ def generate(model, kv_caches, steps=4):
     positions = torch.tensor([p for s in range(2) for p in range(lens[s])])
     with torch.no_grad():
         hidden = model(ids, positions, kv_caches, metadata(lens, lens, tables, slots), **requests)
-        logits = model.compute_logits(hidden[torch.tensor([lens[0] - 1, sum(lens) - 1])])
+        logits = model.compute_logits(hidden, rows(torch.tensor([lens[0] - 1, sum(lens) - 1])))
         out = [logits.argmax(-1).tolist()]
         for _ in range(steps):
             positions = torch.tensor(lens)
@@ -80,7 +101,7 @@ def generate(model, kv_caches, steps=4):
             lens = [n + 1 for n in lens]
             hidden = model(torch.tensor(out[-1]), positions, kv_caches, metadata(lens, [1, 1], tables, slots),
                            **requests)
-            logits = model.compute_logits(hidden)
+            logits = model.compute_logits(hidden, rows(torch.arange(2)))
             out.append(logits.argmax(-1).tolist())
     return out, logits
 
@@ -110,12 +131,10 @@ def main():
         entry["tokens"] = tokens
         entry["smallest_logit_spread"] = float((logits.max(-1).values - logits.min(-1).values).min())
         if mode == "full_attention":
-            # the mutant indexes the KV caches by layer number, as a model written for 40 caches would
-            for number, layer in enumerate(model.model.layers):
-                if hasattr(layer, "self_attn"):
-                    layer.self_attn.attn_idx = number
+            mutant = runtime_shims.seeded(layer_numbered(qwen3_5).Qwen3_5MoeForCausalLM(model_config.hf_config,
+                                                                                     cache))
             try:
-                generate(model, engine.gpu_cache)
+                generate(mutant, engine.gpu_cache)
                 entry["mutant"] = "ran"
             except IndexError as exc:
                 entry["mutant"] = f"IndexError: {exc}"

@@ -3,13 +3,13 @@
 Run with a patched vendor root (and the patched transformers) first on sys.path (see test_prefix_state.py). An
 engine loop as LLMEngine's: vLLM's Scheduler with its prefix-caching block manager, ModelRunner.prepare_model_input
 (the builder's prefix-hit trimming, the attention metadata, the sampling metadata) and ModelRunner.execute_model
-(the sampler), around the stand-in adapter's hybrid model (full attention over vLLM's paged cache from its
+(the sampler), around the pinned adapter's hybrid model (full attention over vLLM's paged cache from its
 CacheEngine, GatedDeltaNet state in vLLM's MambaCacheManager, the adapter's own prefix LRU). Each case runs twice,
 prefix caching on and off, and the later request's greedy tokens and logits are compared. Prints one JSON object.
 
 argv: what to run (default: everything, one JSON object keyed by name): case names, `workload` for the
 conversation workload's hit rates, `stale` for a request restored from another request's state after block reuse,
-in the four configurations.
+in the four configurations, `short_chunk` for a prefill chunk shorter than the conv kernel's history.
 """
 
 import atexit
@@ -315,6 +315,21 @@ def stale(folder):
     return out
 
 
+def short_chunk(folder):
+    """A prompt one token past a chunk boundary (33 tokens, 32-token chunks: its last chunk is 1 token, shorter than
+    the conv kernel's 3-token history), prefix caching off, against the same prompt in one chunk: the same tokens
+    and logits."""
+    os.environ["PREFIX_STATE"], os.environ["PREFIX_STATE_INTERVAL"] = "1", "4096"
+    runs = {}
+    for budget in (32, 512):
+        engine = Engine(folder, False, budget=budget)
+        engine.add("X", prompt(17, 33), 6)
+        engine.run()
+        runs[budget] = engine
+    diff = max(float((a - b).abs().max()) for a, b in zip(runs[32].logits["X"], runs[512].logits["X"], strict=True))
+    return {"tokens_chunked": runs[32].tokens("X"), "tokens_whole": runs[512].tokens("X"), "max_abs_logit_diff": diff}
+
+
 def store_bytes():
     try:
         from native_fastpaths import prefix_state
@@ -328,8 +343,8 @@ def main():
     runtime_shims.distributed()
     folder = checkpoint()
     # one process for everything asked (importing vLLM is most of a short run)
-    asked = sys.argv[1:] or [*CASES, "workload", "stale"]
-    modes = {"workload": workload, "stale": stale}
+    asked = sys.argv[1:] or [*CASES, "workload", "stale", "short_chunk"]
+    modes = {"workload": workload, "stale": stale, "short_chunk": short_chunk}
     json.dump({name: modes[name](folder) if name in modes else case(folder, name) for name in asked}, sys.__stdout__)
 
 

@@ -7,7 +7,8 @@ import torch
 
 
 class _CpuTorch:
-    """`torch` as mamba_cache.py sees it: its `torch.empty(..., device="cuda")` allocates on the CPU."""
+    """`torch` as mamba_cache.py sees it: its `torch.empty` / `torch.zeros(..., device="cuda")` allocate on the
+    CPU."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -15,6 +16,18 @@ class _CpuTorch:
     @staticmethod
     def empty(*args, device=None, **kwargs):
         return torch.empty(*args, **kwargs)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, **kwargs)
+
+
+class PoisonedTorch(_CpuTorch):
+    """The same, with `torch.empty` handing out memory that held NaN (what an allocator may reuse)."""
+
+    @staticmethod
+    def empty(*args, device=None, **kwargs):
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
 
 
 def on_cpu():
@@ -40,7 +53,7 @@ def distributed():
     initialize_model_parallel(1, 1)
 
 
-# the stand-in adapter's linear-attention and MoE shapes for the harnesses' small hybrid configs: key and value
+# the linear-attention and MoE shapes of the harnesses' small hybrid configs: key and value
 # head dims differ (a transposed state cannot pass), two value heads per key head, experts with top-2 routing
 SMALL_HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
                 "linear_value_head_dim": 12, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,

@@ -1,11 +1,10 @@
 """The model adapter as a pinned source: bundled from a clone or fetched at the pin, deployed, dispatched into.
 
-On the stand-in adapter (tests/standin_adapter.py), with the flagship recipe as it is committed.
+On the adapter's files at the flagship's pin (tests/pinned_adapter.py), with the flagship recipe as it is committed.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import shutil
@@ -15,63 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import git
-import pytest
 import yaml
 from conftest import FLAGSHIP, TRANSFORMERS_SITE, flagship_data, roots_of, transformers_site, tree_digest
-from standin_adapter import SOURCE
+from pinned_adapter import source_file
 
 from toolkit import __version__
 from toolkit.recipe import load_recipe
 from toolkit.submission.render import render
-
-torch = pytest.importorskip("torch", reason="the dispatch tests import the patched adapter: pip install torch==2.13.0")
-
-SWITCHES = {"MOE_NATIVE": "moe.segments", "CHUNK_PARALLEL": "gdn.chunk",
-            "RMSNORM_NATIVE": "norm.gated"}
-
-
-def test_dispatches_switch_between_native_and_original(cli, corex_rootfs: Path, flagship_args: list[str],
-                                                       tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
-    root = roots_of(corex_rootfs)[1]
-    monkeypatch.syspath_prepend(str(root))
-    monkeypatch.syspath_prepend(str(root / "vllm/model_executor/models"))
-    for name in [m for m in sys.modules if m.split(".")[0] in ("qwen3_5", "native_fastpaths")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setenv("TOOLKIT_PROFILE", "1")
-    monkeypatch.setenv("TOOLKIT_PROFILE_DIR", str(tmp_path / "profile"))
-    monkeypatch.setenv("MOE_SMALL_BATCH_VARIANT", "segments")  # a fixed path, so its profile name is known
-    adapter_mod = importlib.import_module("qwen3_5")
-    profiling = importlib.import_module("native_fastpaths.profiling")
-    assert adapter_mod.__file__.startswith(str(root))
-    g = torch.Generator().manual_seed(0)
-    block = adapter_mod.Qwen3_5MoeSparseBlock()
-    x, logits = torch.randn(5, 16, generator=g), torch.randn(5, 8, generator=g)
-    q, k = torch.randn(1, 70, 2, 8, generator=g), torch.randn(1, 70, 2, 8, generator=g)
-    v = torch.randn(1, 70, 4, 12, generator=g)
-    gate, beta = -torch.rand(1, 70, 4, generator=g), torch.rand(1, 70, 4, generator=g)
-    norm = adapter_mod.Qwen3_5RMSNormGated(12)
-    calls = {
-        "MOE_NATIVE": lambda: block._pure_pytorch_experts(x, logits),
-        "CHUNK_PARALLEL": lambda: adapter_mod._torch_chunk_gated_delta_rule(
-            q, k, v, gate, beta, use_qk_l2norm_in_kernel=True)[0],
-        "RMSNORM_NATIVE": lambda: norm(v, v * 2),
-    }
-    for switch, call in calls.items():
-        profiling.reset()
-        monkeypatch.setenv(switch, "0")
-        original = call()
-        off_paths = profiling.native_paths()
-        monkeypatch.setenv(switch, "1")
-        native = call()
-        torch.testing.assert_close(native, original, atol=2e-4, rtol=2e-4)
-        # with the switch on the injected path runs, with it off it does not
-        assert SWITCHES[switch] in profiling.native_paths() and SWITCHES[switch] not in off_paths, switch
-    # the adapter never calls its recurrent rule (decode is inlined): the flagship claims no dispatch there
-    assert "LOOP1_NATIVE" not in (root / "vllm/model_executor/models/qwen3_5.py").read_text()
-    for name in [m for m in sys.modules if m.split(".")[0] in ("qwen3_5", "native_fastpaths")]:
-        monkeypatch.delitem(sys.modules, name)
 
 
 def test_missing_local_source_is_a_clear_error(cli, corex_rootfs: Path) -> None:
@@ -81,17 +30,17 @@ def test_missing_local_source_is_a_clear_error(cli, corex_rootfs: Path) -> None:
     assert "--source qwen36-adapter=PATH" in result.err
 
 
-def test_wrong_pin_is_refused(cli, corex_rootfs: Path, standin: tuple[Path, str]) -> None:
-    clone, _ = standin
+def test_wrong_pin_is_refused(cli, corex_rootfs: Path, adapter: tuple[Path, str]) -> None:
+    clone, _ = adapter
     result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--source", f"qwen36-adapter={clone}@{'0' * 40}")
     assert result.code == 2 and f"commit {'0' * 40} is not in" in result.err
     pinned = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--source", f"qwen36-adapter={clone}")
     assert pinned.code == 2 and "commit 5a1c8c79e234df641b4d6ed8790d5fc5435a08b7 is not in" in pinned.err
 
 
-def test_a_no_checkout_clone_bundles_the_same_files(cli, corex_rootfs: Path, standin: tuple[Path, str],
+def test_a_no_checkout_clone_bundles_the_same_files(cli, corex_rootfs: Path, adapter: tuple[Path, str],
                                                     flagship_args: list[str], tmp_path: Path) -> None:
-    clone, commit = standin
+    clone, commit = adapter
     shallow = tmp_path / "no-checkout"
     git.Repo.clone_from(str(clone), str(shallow), no_checkout=True)
     assert not (shallow / "qwen3_6_scripts").exists()
@@ -101,10 +50,10 @@ def test_a_no_checkout_clone_bundles_the_same_files(cli, corex_rootfs: Path, sta
     assert {r["state"] for r in result.json()["results"]} == {"WOULD_APPLY"}  # planned, not written
 
 
-def test_bundled_build_carries_only_the_used_files(cli, corex_rootfs: Path, standin: tuple[Path, str],
+def test_bundled_build_carries_only_the_used_files(cli, corex_rootfs: Path, adapter: tuple[Path, str],
                                                   adapter_args: list[str], transformers_455: Path,
                                                   tmp_path: Path) -> None:
-    _, commit = standin
+    _, commit = adapter
     out = tmp_path / "sub"
     result = cli("build", FLAGSHIP, "-o", out, *adapter_args, "--json")
     assert result.code == 0, result.err
@@ -114,7 +63,9 @@ def test_bundled_build_carries_only_the_used_files(cli, corex_rootfs: Path, stan
     bundled = sorted(p.relative_to(sources).as_posix() for p in sources.rglob("*") if p.is_file())
     assert "wheels/transformers-4.55.3-py3-none-any.whl" not in bundled and "patch_ops.sh" not in bundled
     assert "qwen3_5.py" in bundled and "reasoning/qwen3_reasoning_parser.py" in bundled
-    assert (sources / "qwen3_5.py").read_text().startswith(SOURCE), "the pinned commit, not the work tree"
+    pinned_model = source_file("qwen3_5.py").replace(b"\r\n", b"\n")
+    assert (sources / "qwen3_5.py").read_bytes().replace(b"\r\n", b"\n") == pinned_model, \
+        "the pinned commit, not the work tree"
     assert b"\r" not in (sources / "protocol.py").read_bytes()
     digests = json.loads((out / "toolkit_payload/sources/qwen36-adapter.digests.json").read_text())
     assert sorted(digests) == bundled
@@ -159,9 +110,9 @@ def test_fetch_mode_build_clones_and_verifies_the_pin(cli, tmp_path: Path) -> No
     assert json.loads(cli("check", out, "--json").out)["findings"] == []  # shellcheck and bash -n included
 
 
-def test_fetch_mode_apply_sh_checks_out_the_subdir(tmp_path: Path, standin: tuple[Path, str]) -> None:
+def test_fetch_mode_apply_sh_checks_out_the_subdir(tmp_path: Path, adapter: tuple[Path, str]) -> None:
     """The fetch step of apply.sh, run for real against a local clone URL: the pin, cut to its subdir."""
-    clone, commit = standin
+    clone, commit = adapter
     recipe = load_recipe(FLAGSHIP).recipe
     source = recipe.sources[0].model_copy(update={"git": f"file://{clone}", "commit": commit})
     script = render(recipe, "bi100-qwen36.yaml", None, [source]).apply_sh
@@ -172,7 +123,9 @@ def test_fetch_mode_apply_sh_checks_out_the_subdir(tmp_path: Path, standin: tupl
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     fetched = payload / "sources/qwen36-adapter"
-    assert (fetched / "qwen3_5.py").read_text().startswith(SOURCE) and not (fetched / ".git").exists()
+    pinned_model = source_file("qwen3_5.py").replace(b"\r\n", b"\n")
+    assert (fetched / "qwen3_5.py").read_bytes().replace(b"\r\n", b"\n") == pinned_model
+    assert not (fetched / ".git").exists()
     assert not (payload / "sources/.clone-qwen36-adapter").exists()
     bad = script.replace(commit, "1" * 40)
     fetch = bad[bad.index("== toolkit: fetch source") - 6:bad.index('echo "== toolkit: apply and verify')]

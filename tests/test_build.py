@@ -31,7 +31,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def bundled(tmp_path_factory: pytest.TempPathFactory, adapter_args: list[str]) -> Path:
-    """The flagship built with the stand-in adapter bundled and the fixture's replacement expectations."""
+    """The flagship built with the pinned adapter bundled and the fixture's replacement expectations."""
     from toolkit.cli import main
 
     out = tmp_path_factory.mktemp("bundled") / "submission"

@@ -6,10 +6,12 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+import pinned_adapter
 import pytest
 from conftest import FLAGSHIP, TRANSFORMERS_SITE, flagship_origin, roots_of, tree_digest
-from standin_adapter import add_commit, replacement
+from pinned_adapter import add_commit
 
 from toolkit.engine import writer
 from toolkit.markers import read_markers
@@ -79,7 +81,8 @@ def test_patched_files_carry_markers_and_changes(cli, corex_rootfs: Path, flagsh
         assert '"Qwen3_6MoeForCausalLM": ("qwen3_5", "Qwen3_5MoeForCausalLM")' in registry
         protocol_bytes = (root / "vllm/entrypoints/openai/protocol.py").read_bytes()
         assert b"\r" not in protocol_bytes, "the adapter stores it CRLF; it is deployed LF"
-        assert b'ConfigDict(extra="ignore")' in protocol_bytes and b"stand-in adapter" in protocol_bytes
+        pinned = pinned_adapter.source_file("protocol.py").replace(b"\r\n", b"\n")
+        assert b'ConfigDict(extra="ignore")' in protocol_bytes and protocol_bytes.startswith(pinned[:600])
         assert '"--reasoning-parser"' in (root / "vllm/entrypoints/openai/cli_args.py").read_text()
         model = (root / "vllm/model_executor/models/qwen3_5.py").read_text()
         assert {"moe-native", "gdn-chunk-parallel", "rmsnorm-native"} <= set(read_markers(model))
@@ -200,10 +203,11 @@ def test_the_real_image_expectations_are_checked(cli, corex_rootfs: Path, flagsh
 
 
 def test_an_edit_the_replacement_already_makes_is_superseded(cli, corex_rootfs: Path, flagship_args: list[str],
-                                                            standin: tuple[Path, str], vllm_063: Path) -> None:
-    clone, _ = standin
-    text = replacement("protocol.py", (vllm_063 / "vllm/entrypoints/openai/protocol.py").read_text())
-    later = add_commit(clone, "protocol.py", text.replace('extra="forbid"', 'extra="ignore"'),
+                                                            adapter: tuple[Path, str]) -> None:
+    clone, _ = adapter
+    text = pinned_adapter.source_file("protocol.py")
+    assert text.count(b'extra="forbid"') == 1
+    later = add_commit(clone, "protocol.py", text.replace(b'extra="forbid"', b'extra="ignore"'),
                        "protocol accepts unknown fields")
     args = [a if not a.startswith("qwen36-adapter=") else f"qwen36-adapter={clone}@{later}" for a in flagship_args]
     result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
@@ -337,3 +341,26 @@ def test_a_replaced_vendor_file_that_is_gone_is_drift(cli, corex_rootfs: Path, f
     found = [r for r in result.json()["results"] if r["transform"] == "adapter-replace-protocol"]
     assert [r["state"] for r in found] == ["DRIFTED", "DRIFTED"]
     assert all("the vendor file this deploy replaces is missing" in r["message"] for r in found)
+
+
+def test_the_restore_anchor_without_the_pins_timer_is_drifted_by_id(cli, corex_rootfs: Path, flagship_args: list[str],
+                                                                     tmp_path: Path) -> None:
+    """At the pin the restore's two copy_ calls sit inside `with bi100_timer("gdn_prefix.restore"):`; the anchor as
+    it was written before (taken from another copy of qwen3_5.py) drifts on the pinned files, named by its id, and
+    nothing is written."""
+    from test_preflight import recipe_copy
+
+    def unwrapped(data: dict[str, Any]) -> None:
+        spec = next(t for t in data["transforms"] if t["id"] == "prefix-state-no-block-id-restore")
+        lines = spec["old"].splitlines(keepends=True)
+        [at] = [i for i, line in enumerate(lines) if line.strip() == 'with bi100_timer("gdn_prefix.restore"):']
+        # the timer's line out, its four lines (the two copy_ calls) one level up
+        spec["old"] = "".join(lines[:at] + [line[4:] for line in lines[at + 1:at + 5]] + lines[at + 5:])
+
+    recipe = recipe_copy(tmp_path / "recipe", unwrapped)
+    before = tree_digest(corex_rootfs)
+    result = cli("apply", recipe, "--rootfs", corex_rootfs, *flagship_args, "--json")
+    assert result.code == 1, result.out[-2000:]
+    drifted = {r["transform"] for r in result.json()["results"] if r["state"] == "DRIFTED"}
+    assert drifted == {"prefix-state-no-block-id-restore"}, drifted
+    assert tree_digest(corex_rootfs) == before

@@ -303,11 +303,11 @@ def test_the_flagship_is_its_layers() -> None:
     assert text.count("remove_when: never (profiling") == 2  # said once per group
 
 
-def test_the_flagship_builds_what_it_built_before_the_split(tmp_path: Path, standin: tuple[Path, str],
+def test_the_flagship_builds_what_it_built_before_the_split(tmp_path: Path, adapter: tuple[Path, str],
                                                             corex_rootfs: Path, transformers_455: Path) -> None:
     """tests/data/flagship-snapshot.json was written from the single-file flagship; the layered one must build and
     patch the same files (`python tests/flagship_snapshot.py` rewrites it for a change meant to change them)."""
-    clone, commit = standin
+    clone, commit = adapter
     site = transformers_site(corex_rootfs, transformers_455)
     actual = snapshot(FLAGSHIP, tmp_path, ["--source", f"qwen36-adapter={clone}@{commit}"],
                       ["--package-root", f"transformers={site}"], corex_rootfs)

@@ -98,6 +98,8 @@ CASES: list[tuple[str, Severity, Callable[[dict[str, Any]], None], Callable[[dic
     # prefix-state's hook anchored on the very call probe-begin-forward times
     ("probe", Severity.ERROR, lambda d: transform(d, "prefix-state-begin-step").__setitem__(
         "after", "self.attn_state.begin_forward(model_input)"), lambda d: None),
+    ("deploy-needs-arg", Severity.ERROR, set_args(disable_frontend_multiprocessing=None),
+     set_args(disable_frontend_multiprocessing=True)),
 ]
 
 
@@ -111,9 +113,11 @@ def test_probe_runtime_must_be_deployed(tmp_path: Path) -> None:
     assert [i.message.split(":")[0] for i in found] == [
         "transform probe-sample imports elsewhere.prof, which no deploy of this recipe installs"], found
     assert found[0].line is not None and "dest: elsewhere" in found[0].fix
-# rules that need a vendor tree to compare with (lint --rootfs): their cases are in the test named beside them
+# rules that need a vendor tree to compare with (lint --rootfs), or a source's deployed files (lint --source): their
+# cases are in the test named beside them
 ROOTFS_RULES = {
-    "vendor-base": "test_corexlike.py::test_vendor_compare_names_063_and_exactly_the_files_the_fixture_changed"}
+    "vendor-base": "test_corexlike.py::test_vendor_compare_names_063_and_exactly_the_files_the_fixture_changed",
+    "engine-client": "test_frontend.py::test_without_the_flag_lint_names_the_call_the_class_and_the_flag"}
 
 
 BAD_FLAGS = ("01", " 1", "true", "on", "2", "")

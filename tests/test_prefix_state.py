@@ -2,7 +2,7 @@
 the served tokens, the flagship's prefix-state transforms make them equal to a run without the cache.
 
 The harness (tests/runtime_prefix_state.py) drives vLLM 0.6.3's own scheduler, prefix-caching block manager, model
-runner and sampler on the CPU runtime, over the CoreX-like tree with the stand-in adapter, patched by the flagship
+runner and sampler on the CPU runtime, over the CoreX-like tree with the pinned adapter, patched by the flagship
 (and by the flagship without its prefix-state transforms: the adapter as pinned).
 """
 
@@ -43,16 +43,28 @@ def fixed(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, adapte
     return _run(tmp_path_factory.mktemp("fixed"), corex_template, adapter_args, transformers_455, fixed=True)
 
 
-def _run(tmp: Path, template: Path, adapter_args: list[str], transformers: Path, fixed: bool) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def unshifted(tmp_path_factory: pytest.TempPathFactory, corex_template: Path, adapter_args: list[str],
+              transformers_455: Path) -> dict[str, Any]:
+    """The flagship without gdn-conv-state-short-chunk: the adapter's conv state as pinned (short case only)."""
+    def edit(data: dict[str, Any]) -> None:
+        data["transforms"] = [t for t in data["transforms"] if t["id"] != "gdn-conv-state-short-chunk"]
+
+    return _run(tmp_path_factory.mktemp("unshifted"), corex_template, adapter_args, transformers_455, fixed=False,
+                edit=edit, asked=("short_chunk",))
+
+
+def _run(tmp: Path, template: Path, adapter_args: list[str], transformers: Path, fixed: bool,
+         edit: Any = without_prefix_state, asked: tuple[str, ...] = ()) -> dict[str, Any]:
     rootfs = tmp / "rootfs"
     shutil.copytree(template, rootfs, symlinks=True)
-    recipe = FLAGSHIP if fixed else recipe_copy(tmp / "recipe", without_prefix_state)
+    recipe = FLAGSHIP if fixed else recipe_copy(tmp / "recipe", edit)
     site = transformers_site(rootfs, transformers, full=True)
     assert main(["apply", str(recipe), "--rootfs", str(rootfs), *adapter_args, "--package-root",
                  f"transformers={site}"]) == 0
-    env = dict(runtime_env(tmp, site, roots_of(rootfs)[1]), VLLM_ATTENTION_BACKEND="XFORMERS")
-    proc = subprocess.run([str(runtime()), str(REPO / "tests" / "runtime_prefix_state.py")], capture_output=True,
-                          text=True, env=env, timeout=900)
+    env = dict(runtime_env(tmp, site, roots_of(rootfs)[1], cpu_device=True), VLLM_ATTENTION_BACKEND="XFORMERS")
+    proc = subprocess.run([str(runtime()), str(REPO / "tests" / "runtime_prefix_state.py"), *asked],
+                          capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result: dict[str, Any] = json.loads(proc.stdout)
     print(json.dumps(result, indent=1))  # the per-case evidence, in the test's output
@@ -85,6 +97,16 @@ def test_prefix_state_the_flagship_serves_the_same_tokens(fixed: dict[str, Any])
     assert fixed["switched-off"]["checkpoint_bytes"] == 0  # PREFIX_STATE=0: no hit, nothing captured
 
 
+def test_prefix_state_a_chunk_shorter_than_the_conv_history_keeps_it(fixed: dict[str, Any],
+                                                                    unshifted: dict[str, Any]) -> None:
+    """A 33-token prompt in 32-token chunks (prefix caching off) serves what it serves in one chunk on the flagship;
+    the adapter's prefill as pinned zeroes the conv history a 1-token chunk should carry, and serves other logits."""
+    got = fixed["short_chunk"]
+    assert got["tokens_chunked"] == got["tokens_whole"] and got["max_abs_logit_diff"] < TOLERANCE, got
+    wrong = unshifted["short_chunk"]
+    assert wrong["max_abs_logit_diff"] > 100 * TOLERANCE, wrong
+
+
 STALE = ("caching-on-switch-1", "caching-off-switch-1", "caching-on-switch-0", "caching-off-switch-0")
 
 
@@ -106,9 +128,9 @@ def test_prefix_state_no_request_borrows_another_requests_state(fixed: dict[str,
 
 
 def test_prefix_state_preflight_checks_the_declaration_against_the_patched_files(
-        cli: Any, standin: tuple[Path, str], tmp_path: Path) -> None:
+        cli: Any, adapter: tuple[Path, str], tmp_path: Path) -> None:
     """A recipe that declares exact-checkpoints and lacks one hook is refused by preflight, naming the hook."""
-    clone, commit = standin
+    clone, commit = adapter
     recipe = recipe_copy(tmp_path, lambda d: d.__setitem__(
         "transforms", [t for t in d["transforms"] if t["id"] != "prefix-state-begin-step"]))
     result = cli("preflight", recipe, "--source", f"qwen36-adapter={clone}@{commit}", "--json")

@@ -40,13 +40,15 @@ def recipe_copy(tmp_path: Path, edit: Any) -> Path:
     return path
 
 
-def runtime_env(tmp_path: Path, *paths: Path) -> dict[str, str]:
+def runtime_env(tmp_path: Path, *paths: Path, cpu_device: bool = False) -> dict[str, str]:
     """The environment a script runs in on the CPU runtime: the patched tree first, the flagship's GPU libraries
     stood in and its devices emulated (as preflight does), and a record of what was stood in and called written at
-    exit."""
+    exit. cpu_device: the vendor's GPU path on CPU tensors too, as the rehearsal runs it (the adapter's
+    MambaCacheManager allocates its state on "cuda")."""
     recipe = load_recipe(FLAGSHIP).recipe
     return dict(os.environ, **standins.environment(tmp_path / "standins", recipe.base_image.gpu_library_names, paths,
-                                                   recipe.base_image.absent_modules, emulated_devices(recipe)),
+                                                   recipe.base_image.absent_modules, emulated_devices(recipe),
+                                                   cpu_device=cpu_device),
                 TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "standins.json"))
 
 
@@ -69,8 +71,8 @@ def stages(variant: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["stage"]: s for s in variant["stages"]}
 
 
-def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, standin: tuple[Path, str]) -> None:
-    clone, commit = standin
+def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, adapter: tuple[Path, str]) -> None:
+    clone, commit = adapter
     result = cli("preflight", FLAGSHIP, "--all-variants", "--source", f"qwen36-adapter={clone}@{commit}", "--json")
     assert result.code == 2, result.err[-2000:]  # the variants without chunked prefill cannot start
     variants = by_variant(result)
@@ -116,9 +118,9 @@ def test_without_the_adapter_what_it_adds_is_not_checked(cli, python: Path) -> N
     assert by_variant(result)["base"]["config"]["max_model_len"] == 245000
 
 
-def test_unhardcoded_flags_count_and_the_vendor_forces_them(cli, python: Path, standin: tuple[Path, str],
+def test_unhardcoded_flags_count_and_the_vendor_forces_them(cli, python: Path, adapter: tuple[Path, str],
                                                            tmp_path: Path) -> None:
-    clone, commit = standin
+    clone, commit = adapter
     source = ["--source", f"qwen36-adapter={clone}@{commit}", "--json"]
 
     def without_flags(data: dict[str, Any]) -> None:
@@ -141,9 +143,9 @@ def test_unhardcoded_flags_count_and_the_vendor_forces_them(cli, python: Path, s
     assert forced["enforce_eager"] is True and forced["disable_custom_all_reduce"] is True
 
 
-def test_the_vendor_refuses_an_unknown_flag_and_parser(cli, python: Path, standin: tuple[Path, str],
+def test_the_vendor_refuses_an_unknown_flag_and_parser(cli, python: Path, adapter: tuple[Path, str],
                                                       tmp_path: Path) -> None:
-    clone, commit = standin
+    clone, commit = adapter
 
     def bad(data: dict[str, Any]) -> None:
         data["serve"]["args"]["num-scheduler-stepz"] = 8
@@ -206,8 +208,8 @@ def test_build_refuses_what_the_vendor_code_refuses(cli, python: Path, tmp_path:
     assert "not checked here, left to the in-image step: --reasoning-parser" in said[0]
 
 
-def test_the_accelerator_count_is_the_recipes(cli, python: Path, standin: tuple[Path, str], tmp_path: Path) -> None:
-    clone, commit = standin
+def test_the_accelerator_count_is_the_recipes(cli, python: Path, adapter: tuple[Path, str], tmp_path: Path) -> None:
+    clone, commit = adapter
     recipe = recipe_copy(tmp_path, lambda d: d["hardware"].update(count=2))  # TP 4 on two cards
     result = cli("preflight", recipe, "--source", f"qwen36-adapter={clone}@{commit}", "--json")
     assert result.code == 2
@@ -264,11 +266,13 @@ def test_attention_patches_with_vllms_own_metadata(cli, python: Path, corex_root
 
 def test_adapter_blocks_with_vllms_layers_switch_by_switch(cli, python: Path, corex_rootfs: Path,
                                                          flagship_args: list[str], tmp_path: Path) -> None:
-    """The stand-in adapter's MoE block with its experts held and loaded by vLLM's FusedMoE, its gated norm loaded
+    """The pinned adapter's MoE block with its experts held and loaded by vLLM's FusedMoE, its gated norm loaded
     by vLLM's loader, its GatedDeltaNet rule prefill then decode: each switch off and on gives the same outputs,
     and with it on the native path is what ran. vLLM's linear layer runs too: its forward calls ixformer's linear in
     the vendor tree, which the stand-in maps to torch's (and records)."""
     got, record = run_on_patched_tree(cli, python, corex_rootfs, flagship_args, "runtime_adapter.py", tmp_path)
+    # mamba-cache-conv-zeroed: the state is zeros whatever the memory held (vLLM's profile run takes no slot)
+    assert got.pop("MAMBA_CACHE") == {"finite": True}
     linear = got.pop("LINEAR")
     assert linear["max_abs_diff"] < 1e-5 and linear["smallest_output"] > 1e-3, linear
     mapped = [c for c in record["calls"] if c["name"] == "ixformer.functions.linear"]
@@ -346,11 +350,11 @@ def test_a_failure_on_the_reference_says_it_is_not_the_image(cli, python: Path, 
                                                               tmp_path: Path) -> None:
     """A vendor tree the reference cannot import (here: the adapter's replacement written for another vLLM)
     fails naming the file, and says it ran on the reference, not on the image's files."""
-    from standin_adapter import add_commit, make_repo
+    from pinned_adapter import add_commit, make_repo, source_file
 
-    clone, _ = make_repo(tmp_path, vllm_063)  # its own: the session's stand-in keeps its history
-    written = (vllm_063 / "vllm" / "sequence.py").read_text()  # what the transforms edit is still there
-    later = add_commit(clone, "sequence.py", "from vllm.inputs import NotInThisRelease  # noqa\n" + written,
+    clone, _ = make_repo(tmp_path)  # its own: the session's repository keeps its history
+    written = source_file("sequence.py")  # the pin's, CRLF: what the transforms edit is still there
+    later = add_commit(clone, "sequence.py", b"from vllm.inputs import NotInThisRelease  # noqa\r\n" + written,
                        "sequence.py for another vLLM")
     result = cli("preflight", FLAGSHIP, "--source", f"qwen36-adapter={clone}@{later}", "--json")
     assert result.code == 2
@@ -364,13 +368,14 @@ def test_ten_kv_caches_serve_the_hybrid_model_as_forty_did(cli, python: Path, co
                                                           tmp_path: Path) -> None:
     """Through vLLM's own code with the patched config (transformers 4.55.3 + the adapter's config packages +
     the hybrid-kv-accounting transforms): full_attention counts 10 layers (163,840 B per block at TP 4), and the
-    vendor's CacheEngine allocates 10 caches; the stand-in adapter's model (linear layers on the mamba state,
+    vendor's CacheEngine allocates 10 caches; the pinned adapter's model (linear layers on the mamba state,
     full-attention layers on kv_caches[attn_idx]) gives the same tokens and logits over them as over legacy40's
     40; a mutant that indexes the caches by layer number fails on 10."""
     site = transformers_site(corex_rootfs, transformers_455, full=True)
     assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *adapter_args,
                "--package-root", f"transformers={site}").code == 0
-    env = dict(runtime_env(tmp_path, site, roots_of(corex_rootfs)[1]), VLLM_ATTENTION_BACKEND="XFORMERS")
+    env = dict(runtime_env(tmp_path, site, roots_of(corex_rootfs)[1], cpu_device=True),
+               VLLM_ATTENTION_BACKEND="XFORMERS")
     proc = subprocess.run([str(python), str(REPO / "tests" / "runtime_kv.py")], capture_output=True, text=True,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

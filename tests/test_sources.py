@@ -15,7 +15,7 @@ import git
 import pytest
 import yaml
 from conftest import REPO, flagship_data
-from standin_adapter import make_repo
+from pinned_adapter import make_repo
 
 from toolkit.errors import InputError
 from toolkit.pinned import mirror_path, resolve_pinned
@@ -24,8 +24,8 @@ from toolkit.recipe import load_recipe
 
 @pytest.fixture(scope="module")
 def remote(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A bare repository of the stand-in adapter that this module's tests serve as a remote."""
-    return make_repo(tmp_path_factory.mktemp("remote"), vllm_063)
+    """A bare repository of the pinned adapter's files that this module's tests serve as a remote."""
+    return make_repo(tmp_path_factory.mktemp("remote"))
 
 
 def recipe_with(tmp_path: Path, url: str, commit: str, fetch: str = "host") -> Path:
@@ -150,7 +150,7 @@ def test_a_wrong_commit_is_refused(remote: tuple[Path, str], tmp_path: Path) -> 
 
 
 def test_a_force_pushed_pin_resolves_while_it_exists_and_says_so_when_gone(vllm_063: Path, tmp_path: Path) -> None:
-    bare, pinned = make_repo(tmp_path / "fp", vllm_063)
+    bare, pinned = make_repo(tmp_path / "fp")
     url = f"file://{bare}"
 
     def force_push() -> None:  # the branch rewritten: the pinned commit is no longer reachable from any ref

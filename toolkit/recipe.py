@@ -7,7 +7,7 @@ import operator
 import re
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -423,6 +423,9 @@ class LoadedRecipe:
     path: Path
     located: Located  # the merged recipe: every mark names the file of the layer it came from
     layers: tuple[str, ...] = ()  # the files it is made of, in merge order, the recipe itself last
+    # the declared sources' files found on this machine (exported at the pin), by source name: what lint reads of
+    # a deployed third-party file; empty until commands.common.pinned resolves them
+    found: dict[str, Path] = field(default_factory=dict)
 
     @property
     def patches_dir(self) -> Path:

@@ -43,6 +43,7 @@ def pinned(loaded: LoadedRecipe, given: Inputs, fetch: bool = False) -> tuple[Lo
         _, path, rev = parse_source_override(f"{name}={where}")
         overrides[name] = (path, rev)
     found, commits = resolve_pinned(loaded.recipe, loaded.path.parent, overrides, fetch=fetch)
+    loaded = dataclasses.replace(loaded, found=found)
     pins = {s.name: s.commit for s in loaded.recipe.sources}
     moved = {name: sha for name, sha in commits.items() if pins[name] != sha}
     for name, sha in moved.items():

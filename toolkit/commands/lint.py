@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.commands.common import Inputs, pinned
 from toolkit.lint import lint as lint_recipe
 from toolkit.recipe import load_recipe
 from toolkit.results import Report, Severity
@@ -20,10 +21,12 @@ class LintRequest:
     rootfs: Path | None = None  # also check against an extracted image (shadowing, remove_when, the true base)
     strict: bool = False  # exit 1 on warnings
     verbose: bool = False  # info-level notes too
+    inputs: Inputs = field(default_factory=Inputs)  # --source: deployed third-party files are read too
 
 
 def lint(request: LintRequest) -> Report:
     loaded = load_recipe(request.recipe)
+    loaded, _ = pinned(loaded, request.inputs)  # the sources found here: lint reads their deployed files too
     recipe = loaded.recipe
     if request.variant:
         recipe = find_variant(recipe, request.variant).apply(recipe)

@@ -134,6 +134,35 @@ class LintContext:
                 if isinstance(t, Deploy) and t.pinned is None]
 
 
+    def deployed_file(self, rel: str) -> tuple[Path | None, Deploy | None]:
+        """The file a deploy puts at `rel` in every vendor root (rel: `vllm/...`), as it will be there: the deploy's
+        source (None where it comes from a declared source not found here) and the deploy; (None, None) where
+        nothing is deployed there (the vendor's file stays)."""
+        for t in reversed(self.recipe.transforms):
+            if not isinstance(t, Deploy) or t.dest.startswith("/"):
+                continue
+            dest = t.dest.rstrip("/")
+            if rel != dest and not rel.startswith(dest + "/"):
+                continue
+            if t.pinned is None:
+                base = self.loaded.patches_dir / t.source
+            elif t.pinned in self.loaded.found:
+                base = self.loaded.found[t.pinned] / t.pinned_path
+            else:
+                return None, t
+            return (base / rel[len(dest) + 1:] if rel != dest else base), t
+        return None, None
+
+    def patched_file(self, rel: str) -> tuple[Path | None, Deploy | None]:
+        """The file at `rel` of the patched tree: a deploy's source, else the reference release's (the vendor's
+        edits by transforms are not applied: no rule here reads what they change)."""
+        source, deploy = self.deployed_file(rel)
+        if deploy is not None:
+            return source, deploy
+        tree = self.reference_tree
+        return (tree / rel if tree is not None and (tree / rel).is_file() else None), None
+
+
 Rule = Callable[[LintContext], Iterator[Issue]]
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from packaging.version import Version
 
+from toolkit.lint import engine_client
 from toolkit.lint.context import LintContext, rule
 from toolkit.lint.kv import GIB, estimate, linear_state_bytes
 from toolkit.lint.vllm_cli import (
@@ -22,6 +23,7 @@ from toolkit.lint.vllm_cli import (
 from toolkit.resources import resource
 from toolkit.results import Issue, Severity
 from toolkit.transforms.base import ModuleEdit
+from toolkit.transforms.deploy import Deploy
 from toolkit.transforms.dispatch import load_switch_reader
 
 E, W, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
@@ -446,3 +448,85 @@ def probe(ctx: LintContext) -> Iterator[Issue]:
                             f"{other.id} anchors on in {t.scope}: once timed, that anchor is gone and "
                             f"{other.id} drifts", f"probe another statement or call, or move {other.id}'s anchor",
                             ctx.loaded.transform_origin(index))
+
+
+def _endpoint_sources(ctx: LintContext) -> Iterator[tuple[int, Deploy, Path | None]]:
+    """Each deploy into vLLM's entrypoints (index, deploy, its .py files' folder or file; None: its declared
+    source is not found here)."""
+    for index, t in enumerate(ctx.recipe.transforms):
+        dest = t.dest.rstrip("/") + "/" if isinstance(t, Deploy) else ""
+        if isinstance(t, Deploy) and not dest.startswith("/") and (
+                dest.startswith(engine_client.ENDPOINTS) or engine_client.ENDPOINTS.startswith(dest)):
+            source, _ = ctx.deployed_file(t.dest.rstrip("/"))
+            yield index, t, source
+
+
+@rule("engine-client", E, "a deployed endpoint calls what the engine client the argv selects does not have")
+def engine_client_calls(ctx: LintContext) -> Iterator[Issue]:
+    deployed = list(_endpoint_sources(ctx))
+    if not deployed:
+        return
+    use_engine = ctx.has_flag(engine_client.FRONTEND_FLAG)
+    client_text = _patched_text(ctx, engine_client.CLIENT_FILE)
+    if not use_engine and client_text is not None:
+        defaults = engine_client.engine_arg_defaults(_patched_text(ctx, "vllm/engine/arg_utils.py") or "")
+
+        def arg(name: str) -> object:
+            value = ctx.arg(name.replace("_", "-"))
+            if value is None:
+                return defaults.get(name)
+            return ctx.int_arg(name.replace("_", "-"), 0) if not isinstance(value, bool) else value
+
+        use_engine = bool(engine_client.unsupported_config(client_text, arg))
+    cls, rel = ((engine_client.ENGINE_CLASS, engine_client.ENGINE_FILE) if use_engine else
+                (engine_client.CLIENT_CLASS, engine_client.CLIENT_FILE))
+    class_text = _patched_text(ctx, rel)
+    members = engine_client.class_members(class_text, cls) if class_text is not None else None
+    if members is None:
+        yield Issue("engine-client", INFO, f"the deployed endpoints' engine-client calls were not checked: {cls} is "
+                    f"not readable in {rel} of the patched tree (no reference tree, or it answers any name)",
+                    "make vendor.reference fetchable", ctx.loaded.origin("vendor", "reference"))
+        return
+    selected = (f"--{engine_client.FRONTEND_FLAG} is passed" if ctx.has_flag(engine_client.FRONTEND_FLAG) else
+                "MQLLMEngineClient.is_unsupported_config holds" if use_engine else
+                f"no --{engine_client.FRONTEND_FLAG}: the multiprocessing front end")
+    fix = (f"pass --{engine_client.FRONTEND_FLAG} (serve.args: {engine_client.FRONTEND_FLAG}: true), so the "
+           "endpoints get an AsyncLLMEngine" if not use_engine else
+           f"deploy an endpoint that calls only what {cls} has")
+    unread: dict[str, list[tuple[int, Deploy]]] = {}
+    for index, t, source in deployed:
+        if source is None:
+            unread.setdefault(t.pinned or "", []).append((index, t))
+    for name, deploys in unread.items():
+        yield Issue("engine-client", INFO, f"not checked: source {name} is not found here, so what its deployed "
+                    f"endpoints call on the engine client is not read ({', '.join(t.id for _, t in deploys)})",
+                    f"pass --source {name}=PATH", ctx.loaded.transform_origin(deploys[0][0]))
+    for index, t, source in deployed:
+        origin = ctx.loaded.transform_origin(index)
+        if source is None:
+            continue
+        files = sorted(source.rglob("*.py")) if source.is_dir() else [source]
+        for path in files:
+            label = (t.source if source.is_file() else f"{t.source.rstrip('/')}/{path.relative_to(source)}")
+            dest = t.dest if source.is_file() else f"{t.dest.rstrip('/')}/{path.relative_to(source)}"
+            for call in engine_client.missing(engine_client.client_uses(path.read_text(encoding="utf-8")), members):
+                yield Issue("engine-client", E, f"{dest}:{call.line} ({label}, deployed by transform {t.id}) calls "
+                            f"engine_client.{call.name}, which {cls} ({rel}) does not have ({selected}): every "
+                            "request that reaches it answers HTTP 500", fix, origin)
+
+
+def _patched_text(ctx: LintContext, rel: str) -> str | None:
+    path, _ = ctx.patched_file(rel)
+    return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None
+
+
+@rule("deploy-needs-arg", E, "a deployed file needs a server flag the recipe does not pass")
+def deploy_needs_arg(ctx: LintContext) -> Iterator[Issue]:
+    for index, t in enumerate(ctx.recipe.transforms):
+        if not isinstance(t, Deploy):
+            continue
+        for flag, why in t.needs_args.items():
+            if not ctx.has_flag(flag):
+                yield Issue("deploy-needs-arg", E, f"transform {t.id} deploys {t.dest}, which needs --{flag}: {why}",
+                            f"pass it (serve.args: {flag}: true)", ctx.origin_of_arg(flag)
+                            if flag in ctx.args else ctx.loaded.origin("transforms", index, "needs_args"))

@@ -25,6 +25,9 @@ class Deploy(TransformBase):
         default=None, description="A whole-file replacement as a contract: the sha256 (line endings normalised "
         "to LF) of the vendor file this deploy replaces. Any other file there is DRIFTED and nothing is written; "
         "one file only")
+    needs_args: dict[str, str] = Field(
+        default_factory=dict, description="Server flags the deployed file needs to work, each with why (flag "
+        "without dashes -> why); lint refuses a recipe or variant whose serve.args does not pass one")
 
     @field_validator("source")
     @classmethod

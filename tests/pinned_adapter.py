@@ -1,0 +1,119 @@
+"""The model adapter at the flagship's pin (wudixzy/competition@5a1c8c7 `qwen3_6_scripts/`), as the suite uses it.
+
+The files are third-party code and never committed here: they are read from `../shared/qwen36-adapter-5a1c8c7/`
+beside this checkout (byte for byte, each file's git blob id in its BLOBS.txt), checked against those ids, and
+committed into a repository of the test's own, so `--source qwen36-adapter=REPO@COMMIT` reads them as it reads a
+clone (git cannot remake commit 5a1c8c7 without the rest of that commit's tree; the files, not the id, are what
+the recipe uses). In CI (CI=true) a missing or changed copy fails the tests that need it; elsewhere they skip, and
+say where to get it. A test that needs what the pin does not have (a later, drifted commit; a mutant) edits these
+files in its own repository (`add_commit`); nothing here re-types them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import git
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PIN = "5a1c8c79e234df641b4d6ed8790d5fc5435a08b7"
+PINNED = REPO.parent / "shared" / "qwen36-adapter-5a1c8c7"
+SUBDIR = "qwen3_6_scripts"
+HOW_TO_GET = (f"the adapter's files at its pin belong in {PINNED} (the workplace's shared/ folder beside this "
+              f"checkout); elsewhere: git clone https://github.com/wudixzy/competition && git -C competition "
+              f"checkout {PIN}, then copy its {SUBDIR}/ and BLOBS.txt there")
+
+
+class PinMismatch(Exception):
+    """A copy of the pinned files that is missing or not byte for byte the pin's."""
+
+
+def git_blob_id(data: bytes) -> str:
+    """What `git hash-object` says of these bytes."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def check_copy(folder: Path = PINNED) -> dict[str, str]:
+    """Every file BLOBS.txt lists (path -> git blob id), each checked byte for byte; PinMismatch names the first
+    file missing or changed."""
+    listing = folder / "BLOBS.txt"
+    if not listing.is_file():
+        raise PinMismatch(f"no {listing}: {HOW_TO_GET}")
+    blobs: dict[str, str] = {}
+    for number, line in enumerate(listing.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        blob, sha256, rel = line.split(maxsplit=2)
+        path = folder / rel
+        if not path.is_file():
+            raise PinMismatch(f"{path} is missing ({listing}:{number} lists it): {HOW_TO_GET}")
+        data = path.read_bytes()
+        if git_blob_id(data) != blob or hashlib.sha256(data).hexdigest() != sha256:
+            raise PinMismatch(f"{path} is not the pin's file: its git blob id is {git_blob_id(data)}, "
+                              f"{listing}:{number} says {blob}: {HOW_TO_GET}")
+        blobs[rel] = blob
+    return blobs
+
+
+def require(folder: Path = PINNED) -> Path:
+    """The checked folder of pinned files; in CI a missing or changed copy fails, elsewhere the test skips."""
+    try:
+        check_copy(folder)
+    except PinMismatch as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{exc} (CI=true: the suite's adapter is the pinned one)")
+        pytest.skip(str(exc))
+    return folder / SUBDIR
+
+
+def source_file(rel: str) -> bytes:
+    """One pinned file's bytes (rel: under qwen3_6_scripts/)."""
+    return (require() / rel).read_bytes()
+
+
+def make_repo(work: Path, subdir: str = SUBDIR) -> tuple[Path, str]:
+    """A bare repository whose one commit holds the pinned files under `subdir`; returns (clone, commit).
+
+    Its work tree keeps an uncommitted edit of qwen3_5.py (a build must read the commit, never the work tree), and
+    a large wheel the recipe never uses, where the pin has transformers' (left out of shared/): bundling must leave
+    it out."""
+    pinned = require()
+    source = work / "adapter-work"
+    repo = git.Repo.init(source)
+    (source / ".gitattributes").write_bytes((PINNED / ".gitattributes").read_bytes())  # * -text: bytes as they are
+    for path in sorted(pinned.rglob("*")):
+        if path.is_file():
+            target = source / subdir / path.relative_to(pinned)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    wheel = source / subdir / "wheels" / "transformers-4.55.3-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True, exist_ok=True)
+    wheel.write_bytes(os.urandom(1 << 20))
+    repo.git.add("--all")
+    actor = git.Actor("t", "t@t")
+    commit = repo.index.commit(f"qwen3_6_scripts at {PIN[:7]} (from {PINNED})", author=actor,
+                               committer=actor).hexsha
+    (source / subdir / "qwen3_5.py").write_text("raise RuntimeError('uncommitted edit')\n")  # must never leak
+    bare = work / "adapter.git"
+    git.Repo.clone_from(str(source), str(bare), bare=True)
+    return bare, commit
+
+
+def add_commit(bare: Path, rel: str, data: str | bytes, message: str, subdir: str = SUBDIR) -> str:
+    """A later commit (pushed to the bare clone as `later`) with one file of the pin changed; returns the commit."""
+    work = bare.parent / "adapter-work"
+    repo = git.Repo(work)
+    repo.git.checkout("--", ".")
+    target = work / subdir / rel
+    if isinstance(data, str):
+        target.write_text(data)
+    else:
+        target.write_bytes(data)
+    repo.git.add("--all")
+    actor = git.Actor("t", "t@t")
+    commit = repo.index.commit(message, author=actor, committer=actor).hexsha
+    repo.git.push(str(bare), "HEAD:refs/heads/later")
+    return commit
