@@ -145,7 +145,7 @@ def test_generation_matches_the_recompute_at_tp1(tp1: dict[str, Any]) -> None:
     record = tp1["record"]
     assert set(record["computed"]) >= ALL_REFERENCES, sorted(record["computed"])
     assert not [c for c in record["calls"] if not c["mapped"]]
-    assert set(record["shims"]) == {*cpu_device.SHIMS, *cpu_device.CHECKS, standins.REGISTRY_SHIM}
+    assert set(record["shims"]) == {*cpu_device.SHIMS, *cpu_device.CHECKS, *cpu_device.FORCING, standins.REGISTRY_SHIM}
     assert not record["load"]["unwritten"] and record["load"]["parameters"] > 0
     # the KV cache the vendor's profile run sized: the emulated card's 0.9, less what the model and its peak took
     blocks, size = tp1["cache"]["num_gpu_blocks"], tp1["cache"]["block_bytes"]

@@ -1,5 +1,5 @@
 """The flagship's served path on a CPU (`pytest -k generate`): vLLM 0.6.3's own LLMEngine over the CoreX-like tree
-patched by recipes/bi100-qwen36.yaml with the stand-in adapter (its model built from vLLM's layers, full attention
+patched by recipes/bi100-qwen36.yaml with the pinned adapter (its model built from vLLM's layers, full attention
 through the vendor's xFormers backend, GatedDeltaNet state in the mamba cache, the flagship's prefix-state and native
 fast-path transforms in place), and a tiny checkpoint of the composite hybrid config under the published tensor
 names (toolkit/runtime/tiny_model.py), loaded by the adapter's load_weights rules. Each generated token is checked
@@ -70,7 +70,7 @@ def test_flagship_generation_matches_the_recompute_at_tp1(tp1: dict[str, Any]) -
     assert set(record["computed"]) >= FLAGSHIP_REFERENCES and FLASH_PREFILL not in record["computed"], sorted(
         record["computed"])
     assert not [c for c in record["calls"] if not c["mapped"]]
-    assert set(record["shims"]) == {*cpu_device.SHIMS, *cpu_device.CHECKS, standins.REGISTRY_SHIM}
+    assert set(record["shims"]) == {*cpu_device.SHIMS, *cpu_device.CHECKS, *cpu_device.FORCING, standins.REGISTRY_SHIM}
     load = record["load"]
     assert not load["unwritten"] and not load["unused"] and load["parameters"] > 0, load
     assert set(load["skipped"]) == SKIPPED  # the vision and MTP tensors, as the adapter's loader skips them

@@ -1,6 +1,6 @@
 """`toolkit rehearse` (`pytest -k rehearse`): the flagship's server as the platform starts it (the run config's own
 argv and env, with only the recorded substitutions), vLLM 0.6.3's OpenAI server over the CoreX-like tree patched
-by the flagship with the stand-in adapter, its engine process and a second TP rank, the vendor's GPU path on CPU
+by the flagship with the pinned adapter, its engine process and a second TP rank, the vendor's GPU path on CPU
 tensors and the tiny checkpoint, answering the official request shapes through the bench client; then the mutants,
 each failing the check that names its cause.
 """
@@ -123,6 +123,26 @@ def test_each_forced_output_is_matched_by_its_regex_alone_and_says_what_the_clie
     assert got == {"reasoning": "r", "content": "", "calls": [["f", {"a": 1}], ["g", "(not JSON) {oops"]]}
 
 
+def test_a_literal_guided_regex_is_forced_as_the_tokenizers_own_ids() -> None:
+    """forced-literal-tokens: each forced output's regex is read back as its one string (and nothing that matches
+    more is), and the processor leaves only the next id of the string, then the end of sequence."""
+    import torch
+
+    from toolkit.runtime.cpu_device import ForcedTokens, literal_of
+
+    for case in rehearse.forced_outputs(workloads.tool_schemas()[:2]):
+        for reasoning in (True, False):
+            text = case.text(reasoning)
+            assert literal_of(rehearse._literal(text)) == text, case.name
+    assert [literal_of(p) for p in ("a|b", "ab*", "[ab]", "a.", "(a)", "a{2}")] == [None] * 6
+    assert literal_of("") == "" and literal_of("a\\.b\\n") == "a.b\n"
+    forced = ForcedTokens([5, 2, 7], eos=1)
+    logits = torch.zeros(9)
+    for step, want in enumerate([5, 2, 7, 1, 1]):
+        out = forced(list(range(step)), logits)
+        assert int(out.argmax()) == want and int(torch.isfinite(out).sum()) == 1, (step, out)
+
+
 def _profile_record(path: Path, bucket: str, regions: list[str]) -> None:
     with path.open("a") as out:
         for region in regions:
@@ -180,7 +200,7 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
                            "prefix-cache"}
     # the server's own parsers split each forced output; its probes reached every declared region
-    assert checks["parsers"]["detail"].startswith("5 outputs forced by guided_regex"), checks["parsers"]
+    assert checks["parsers"]["detail"].startswith("5 outputs forced as the served tokenizer's ids"), checks["parsers"]
     assert "every declared region reached" in checks["profile"]["detail"], checks["profile"]
     assert not [c for c in checks.values() if not c["ok"]], checks
     assert report.exit_code == 0
@@ -295,3 +315,60 @@ def test_a_port_already_taken_is_a_clear_error_and_nothing_starts(
     err = capsys.readouterr().err
     assert f"--port {port}: already taken on 127.0.0.1, nothing was started" in err
     assert not (tmp_path / "run").exists() and stray_processes() == []
+
+
+def test_without_the_front_end_flag_every_chat_request_fails_with_the_servers_error_located(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    """The pinned adapter's serving_chat.py calls engine_client.get_scheduler_config(), which the multiprocessing
+    front end's client lacks: the request's HTTP 500 shows the server's own traceback, located in the patched tree
+    and attributed to the deploy that wrote the file."""
+    recipe = recipe_copy(tmp_path / "recipe", lambda d: d["serve"]["args"].pop("disable-frontend-multiprocessing"))
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("short",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"] and not checks["short"]["ok"]
+    detail = checks["short"]["detail"]
+    assert "HTTP 500" in detail, detail
+    assert "AttributeError: 'MQLLMEngineClient' object has no attribute 'get_scheduler_config'" in detail, detail
+    assert re.search(r"vllm/entrypoints/openai/serving_chat\.py:\d+ in create_chat_completion  \(written by "
+                     r"adapter-replace-serving-chat\)", detail), detail
+    assert stray_processes() == []
+
+
+def test_a_tree_without_the_adapters_transforms_is_refused_before_anything_starts(
+        tmp_path: Path, corex_rootfs: Path, adapter_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # no --source (and no GitHub, conftest): the adapter's transforms cannot be applied
+    code = main(["rehearse", str(FLAGSHIP), "-o", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "cannot be applied here, so the rehearsed tree would not be the submission's" in err
+    assert "adapter-model: deploys from source qwen36-adapter" in err and "nothing was started" in err
+    assert "--source qwen36-adapter=PATH (a clone of https://github.com/wudixzy/competition.git" in err
+    # roots the recipe was not applied to
+    code = main(["rehearse", str(FLAGSHIP), "--rootfs", str(corex_rootfs), *adapter_args, "-o", str(tmp_path / "r2")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--rootfs {corex_rootfs}: the recipe is not applied there" in err and "adapter-model" in err
+    assert "--apply-to-copy" in err and "toolkit apply" in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "r2").exists() and stray_processes() == []
+
+
+def test_an_argparse_refusal_in_a_server_log_is_shown_as_one() -> None:
+    log = ("INFO 12-04 api_server.py:528] vLLM API server version 0.6.3\n"
+           "usage: api_server.py [-h] [--host HOST] [--port PORT]\n"
+           "api_server.py: error: unrecognized arguments: --reasoning-parser qwen3\n")
+    shown = rehearse.locate(log, Tree([], Path("/nonexistent"), {}, "nowhere"))
+    assert shown.startswith("the server refused its argv (argparse): api_server.py: error: unrecognized arguments: "
+                            "--reasoning-parser qwen3"), shown
+    assert "usage: api_server.py" in shown
+
+
+def test_an_in_process_engines_rank_prefixed_traceback_is_read() -> None:
+    """With --disable-frontend-multiprocessing the engine's error reaches the log with torch's `[rank0]: ` before
+    every line: the error line is still found."""
+    log = ("[rank0]: Traceback (most recent call last):\n"
+           '[rank0]:   File "/x/vllm/worker/worker.py", line 502, in raise_if_cache_size_invalid\n'
+           "[rank0]:     raise ValueError(\n"
+           "[rank0]: ValueError: The model's max seq len (12288) is larger than the maximum number of tokens\n")
+    shown = rehearse.locate(log, Tree([], Path("/nonexistent"), {}, "nowhere"))
+    assert shown.startswith("ValueError: The model's max seq len (12288)"), shown

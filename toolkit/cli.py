@@ -131,7 +131,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_lint(args: argparse.Namespace) -> int:
     return _show(lint_cmd.lint(lint_cmd.LintRequest(Path(args.recipe), args.variant, _path(args.rootfs),
-                                                    strict=args.strict, verbose=args.verbose)), args)
+                                                    strict=args.strict, verbose=args.verbose,
+                                                    inputs=_inputs(args))), args)
 
 
 def cmd_variants(args: argparse.Namespace) -> int:
@@ -157,7 +158,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return _show(rehearse_cmd.rehearse(rehearse_cmd.RehearseRequest(
         Path(args.recipe), _inputs(args), args.variant, args.all_variants, _path(args.rootfs),
         _path(args.model_config), args.tp, _path(args.output), args.port, args.device_memory_gb,
-        checks=tuple(args.check or ()))), args)
+        checks=tuple(args.check or ()), apply_to_rootfs=args.apply_to_copy)), args)
 
 
 def _load(args: argparse.Namespace) -> bench_cmd.Load:
@@ -342,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="the recipe YAML")
     p.add_argument("--variant", metavar="NAME", help="lint one variant (see `toolkit variants`)")
     p.add_argument("--rootfs", metavar="DIR", help="also check against an extracted image (shadowing, remove_when)")
+    p.add_argument("--source", action="append", metavar="NAME=PATH[@COMMIT]", help="a local clone of a declared "
+                   "source: its deployed files are read too (what they call on the engine client); without one, "
+                   "those checks are reported as not made")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings")
     p.add_argument("--verbose", action="store_true", help="show info-level notes too")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -365,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="RUNDIR", help="where the server logs and records go (a new or empty "
                    "folder; default: a new temporary folder, kept and named in the report)")
     p.add_argument("--port", type=int, metavar="N", help="the server's port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--apply-to-copy", action="store_true", help="with --rootfs: the roots there are the image's as "
+                   "they are; the recipe is applied to a copy of them (as preflight --rootfs does), not required "
+                   "to be applied there already")
     p.add_argument("--device-memory-gb", type=float, metavar="GB", help="the emulated card's memory the vendor "
                    "sizes the KV cache from (default 0.5: that cache is this machine's memory)")
     p.add_argument("--check", action="append", metavar="NAME", help="run only this request check (repeatable): "

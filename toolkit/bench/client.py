@@ -45,6 +45,9 @@ class Settings:
     timeout_s: float = 600.0
     salt: str | None = None  # put at the very start of each conversation, so an earlier run's cache cannot help
     logprobs: int = 0  # ask for each token's logprob and this many alternatives (0: none)
+    # False: each request whole (`stream: false`), what a client that reads every token's logprob needs where a
+    # server's stream leaves out the deltas its parsers hold back; no timing then but the end-to-end time
+    stream: bool = True
 
     @property
     def endpoint(self) -> str:
@@ -66,8 +69,10 @@ def _salted_tools(tools: list[dict[str, Any]], salt: str | None) -> list[dict[st
 
 
 def _body(conv: Conversation, messages: list[dict[str, Any]], max_tokens: int, settings: Settings) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": settings.model, "messages": messages, "stream": True,
-                            "stream_options": {"include_usage": True}, "max_tokens": max_tokens, "temperature": 0}
+    body: dict[str, Any] = {"model": settings.model, "messages": messages, "stream": settings.stream,
+                            "max_tokens": max_tokens, "temperature": 0}
+    if settings.stream:
+        body["stream_options"] = {"include_usage": True}
     if settings.ignore_eos:
         body["ignore_eos"] = True
     if settings.logprobs:
@@ -116,44 +121,63 @@ async def send(client: httpx.AsyncClient, body: dict[str, Any], record: RequestR
     def fail(failure: str, message: str) -> None:
         record.ok, record.failure, record.message = False, failure, message[:500]
 
+    def refused(status: int, raw: str) -> None:
+        try:
+            error = json.loads(raw)
+            message = error.get("message") or json.dumps(error.get("error", error))
+        except (json.JSONDecodeError, AttributeError):
+            message = raw
+        fail("http_4xx" if status < 500 else "http_5xx", f"HTTP {status}: {message}")
+
+    def take(payload: dict[str, Any], now: float) -> None:
+        nonlocal usage
+        record.chunk_times.append(now)
+        if payload.get("usage"):
+            usage = payload["usage"]
+        is_content, text, finish = content_of(payload)
+        if finish:
+            record.finish_reason = finish
+        if is_content:
+            record.content_times.append(now)
+            record.reply += text
+            record.reasoning += reasoning_of(payload)
+            join_tool_calls(record.tool_calls, payload)
+        record.logprobs.extend(logprobs_of(payload))
+
     try:
-        async with client.stream("POST", settings.endpoint, json=body) as response:
-            record.status = response.status_code
-            if response.status_code >= 400:
-                raw = (await response.aread()).decode("utf-8", "replace")
-                try:
-                    error = json.loads(raw)
-                    message = error.get("message") or json.dumps(error.get("error", error))
-                except (json.JSONDecodeError, AttributeError):
-                    message = raw
-                kind = "http_4xx" if response.status_code < 500 else "http_5xx"
-                fail(kind, f"HTTP {response.status_code}: {message}")
+        if not settings.stream:
+            whole = await client.post(settings.endpoint, json=body)
+            record.status = whole.status_code
+            if whole.status_code >= 400:
+                refused(whole.status_code, whole.text)
                 return
-            async for line in response.aiter_lines():
-                now = time.perf_counter() - start
-                event = parser.feed(line)
-                if event.kind == "skip":
-                    continue
-                if event.kind == "done":
-                    done = True
-                    break
-                if event.kind == "error":
-                    fail("error_event", event.raw)
-                    return
-                payload = event.payload or {}
-                record.chunk_times.append(now)
-                if payload.get("usage"):
-                    usage = payload["usage"]
-                is_content, text, finish = content_of(payload)
-                if finish:
-                    record.finish_reason = finish
-                if is_content:
-                    record.content_times.append(now)
-                    record.reply += text
-                    record.reasoning += reasoning_of(payload)
-                    join_tool_calls(record.tool_calls, payload)
-                record.logprobs.extend(logprobs_of(payload))
+            try:
+                payload = whole.json()
+            except json.JSONDecodeError:
+                fail("error_event", f"not JSON: {whole.text[:200]}")
+                return
             record.e2e = time.perf_counter() - start
+            take(payload if isinstance(payload, dict) else {}, record.e2e)
+            done = True
+        else:
+            async with client.stream("POST", settings.endpoint, json=body) as response:
+                record.status = response.status_code
+                if response.status_code >= 400:
+                    refused(response.status_code, (await response.aread()).decode("utf-8", "replace"))
+                    return
+                async for line in response.aiter_lines():
+                    now = time.perf_counter() - start
+                    event = parser.feed(line)
+                    if event.kind == "skip":
+                        continue
+                    if event.kind == "done":
+                        done = True
+                        break
+                    if event.kind == "error":
+                        fail("error_event", event.raw)
+                        return
+                    take(event.payload or {}, now)
+                record.e2e = time.perf_counter() - start
     except httpx.TransportError as exc:
         fail(*_failure(exc, record.status, time.perf_counter() - start))
         return

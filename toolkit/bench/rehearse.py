@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,9 @@ TOP_LOGPROBS = 5
 # chunked GatedDeltaNet prefill one ulp off moved a random model's logprobs by 0.5); the served dtype's server runs
 # every other check
 COMPARED_DTYPE = "float32"
+# the comparison servers name each token by its id (vLLM 0.6.3's flag; the adapter's serving_chat.py keeps it): a
+# token that prints as no text, or as another's text, is still told apart
+TOKEN_IDS_FLAG = "--return-tokens-as-token-ids"
 # two float32 answers that part where both runs had the two tokens this close in logprob took the two sides of a
 # near-tie (the generation test's tolerance)
 TIE_NATS = 1e-3
@@ -76,6 +80,18 @@ class Substitution:
     served: str | None  # what the run config says (None: it says nothing)
     rehearsed: str
     why: str
+
+
+COMPARED = (
+    Substitution("--dtype (comparison servers)", None, COMPARED_DTYPE, "in bf16 how a prefill is chunked and batched "
+                 "changes its rounding, and through the MoE router that changes tokens"),
+    Substitution(f"{TOKEN_IDS_FLAG} (comparison servers)", None, "on", "their answers are compared token by token, by "
+                 "id: of the tiny model's ids many print as no text"),
+    Substitution("--enable-prefix-caching (comparison servers)", "as the run config says", "on for one, off for the "
+                 "other", "the cache must change no token"),
+    Substitution("stream (comparison requests)", "true", "false", "a whole answer carries every token's logprob; a "
+                 "stream leaves out the deltas a reasoning parser holds back (a token that decodes to no text)"),
+)
 
 
 @dataclass(frozen=True)
@@ -188,6 +204,10 @@ def _writer(tree: Tree, path: Path, lineno: int, whole: frozenset[str]) -> str |
     return credit[lineno - 1] if len(credit) == len(lines) else None
 
 
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
+SERVER_ERROR_WAIT_S = 10.0  # how long a 5xx's traceback may take to reach the server's log
+# what argparse prints before it exits 2: `PROG: error: MESSAGE` (after its usage lines)
+ARGPARSE_ERROR = re.compile(r"^[\w.-]+(?:\.py)?: error: ")
 ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt|Exit)\b:?")
 # what the API server raises when its engine process died: the engine's own traceback, earlier, is the cause
 WRAPPERS = ("Engine process failed to start", "Caught handled exception")
@@ -201,8 +221,10 @@ def _blocks(lines: list[str]) -> list[tuple[str, list[re.Match[str]]]]:
             continue
         frames, error = [], ""
         for follow in lines[start + 1:]:
-            # a worker's lines carry a prefix before the traceback's own text
-            text = follow.split("] ", 1)[1] if follow.startswith(("ERROR", "(", "\x1b")) and "] " in follow else follow
+            # a worker's lines carry a prefix before the traceback's own text (`(VllmWorkerProcess pid=..) ERROR ...]
+            # `, and torch's `[rank0]: ` on every line of an in-process engine's error)
+            text = RANK_PREFIX.sub("", follow, count=1)
+            text = text.split("] ", 1)[1] if text.startswith(("ERROR", "(", "\x1b")) and "] " in text else text
             if (match := FRAME.match(text)) is not None:
                 frames.append(match)
             elif ERROR_LINE.match(text):
@@ -218,6 +240,11 @@ def locate(log: str, tree: Tree, whole: frozenset[str] = frozenset()) -> str:
     """The cause of a failed start, from a server's log: the first traceback that is not the server reporting its
     engine's death, each of its frames inside the patched trees as file:line (and the transform that wrote the line,
     where one did; `whole`: the transforms that put whole files in place), and the error it ended in."""
+    refused = [line.strip() for line in log.splitlines() if ARGPARSE_ERROR.match(line.strip())]
+    if refused:
+        usage = next((line.strip() for line in log.splitlines() if line.startswith("usage: ")), "")
+        return (f"the server refused its argv (argparse): {refused[-1]}"
+                + (f" [{usage[:160]}{'...' if len(usage) > 160 else ''}]" if usage else ""))
     blocks = _blocks(log.splitlines())
     if not blocks:
         errors = [line.strip() for line in log.splitlines() if ERROR_LINE.match(line.strip())]
@@ -254,6 +281,24 @@ class Stage:
     memory_gb: float
     say: Say
     rehearsal: Rehearsal
+    ready_at: dict[Path, int] = field(default_factory=dict)  # each server log's size when the server was ready
+
+    def whole_files(self) -> frozenset[str]:
+        """The transforms that put whole files in place (a located frame in them names the deploy)."""
+        return frozenset(t.id for t in self.recipe.transforms if t.kind == "deploy")
+
+    def server_error(self, server: Server) -> str:
+        """Why a request failed on the server's side: the first traceback its log shows since it was ready,
+        located in the patched tree. The server writes it after the response it sent (starlette answers 500, then
+        uvicorn logs the exception), so the log is read again for a few seconds until one is there."""
+        log = server.log_path
+        deadline = time.monotonic() + SERVER_ERROR_WAIT_S
+        while True:
+            data = log.read_bytes()[self.ready_at.get(log, 0):] if log.is_file() else b""
+            text = data.decode("utf-8", errors="replace")
+            if "Traceback (most recent call last)" in text or time.monotonic() > deadline:
+                return locate(text, self.tree, self.whole_files())
+            time.sleep(0.2)
 
 
 class StartFailed(Exception):
@@ -262,7 +307,8 @@ class StartFailed(Exception):
 
 @contextlib.contextmanager
 def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: int | None = None,
-            dtype: str | None = None, extra: dict[str, str] | None = None) -> Iterator[tuple[Server, list[str]]]:
+            dtype: str | None = None, extra: dict[str, str] | None = None,
+            flags: tuple[str, ...] = ()) -> Iterator[tuple[Server, list[str]]]:
     """A server of the run config (with prefix caching switched as asked, another dtype and more env if asked),
     ready, stopped (its whole group) at the end whatever happens; its log and its stand-ins record in the run
     folder."""
@@ -277,11 +323,12 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
         argv.append("--enable-prefix-caching")
     if dtype is not None:
         argv = experiment.set_flag(argv, "--dtype", dtype)
-    if not stage.rehearsal.substitutions:
+    argv += [f for f in flags if f not in argv]
+    if not any(s.flag == "device memory" for s in stage.rehearsal.substitutions):  # the first server's, once
         subs.append(Substitution("device memory", f"{stage.recipe.hardware.memory_gb:g} GB",
                                  f"{stage.memory_gb:g} GB", "the vendor sizes the KV cache from it, and on this CPU "
                                  "that cache is this machine's memory"))
-        stage.rehearsal.substitutions = subs
+        stage.rehearsal.substitutions[:0] = subs
     record = stage.rundir / f"{name}-standins" / "standins.json"
     record.parent.mkdir(parents=True, exist_ok=True)
     devices = dict(emulated_devices(stage.recipe), memory_gb=stage.memory_gb)
@@ -307,8 +354,8 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
         except ToolkitError:
             server.stop()
             text = log.read_text(encoding="utf-8", errors="replace") if log.is_file() else ""
-            raise StartFailed(locate(text, stage.tree, whole=frozenset(
-                t.id for t in stage.recipe.transforms if t.kind == "deploy"))) from None
+            raise StartFailed(locate(text, stage.tree, whole=stage.whole_files())) from None
+        stage.ready_at[log] = log.stat().st_size if log.is_file() else 0
         stage.say(f"rehearse: the {name} server is ready after {ready:.1f} s")
         if stage.rehearsal.ready_s is None:
             stage.rehearsal.ready_s = ready
@@ -352,15 +399,25 @@ def _weights(loads: list[dict[str, Any]], tp: int) -> Check:
 # -- the requests and their checks --------------------------------------------------------------------------------
 
 def _send(stage: Stage, server: Server, conversations: list[client.Conversation], concurrency: int,
-          label: str) -> list[RequestRecord]:
-    records, _ = asyncio.run(_streamed(server, conversations, concurrency))
-    return _kept(stage, records, label)
+          label: str, stream: bool = True) -> list[RequestRecord]:
+    records, _ = asyncio.run(_streamed(server, conversations, concurrency, stream))
+    return _kept(stage, _explained(stage, server, records), label)
+
+
+def _explained(stage: Stage, server: Server, records: list[RequestRecord]) -> list[RequestRecord]:
+    """The records, each answered with HTTP 5xx carrying the server's own error (its traceback, located)."""
+    failed = [r for r in records if r.status is not None and r.status >= 500]
+    if failed:
+        cause = stage.server_error(server)
+        for record in failed:
+            record.message = f"{record.message}; the server's log: {cause}"
+    return records
 
 
 async def _streamed(server: Server, conversations: list[client.Conversation],
-                    concurrency: int) -> tuple[list[RequestRecord], float]:
+                    concurrency: int, stream: bool = True) -> tuple[list[RequestRecord], float]:
     settings = client.Settings(server.url, model=server.model, max_tokens=MAX_TOKENS, ignore_eos=True,
-                               timeout_s=300, logprobs=TOP_LOGPROBS)
+                               timeout_s=300, logprobs=TOP_LOGPROBS, stream=stream)
     return await client.run(conversations, settings, concurrency)
 
 
@@ -516,7 +573,7 @@ def forced_outputs(tools: list[dict[str, Any]]) -> list[Forced]:
     ]
 
 
-async def _non_streamed(server: Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+async def _non_streamed(stage: Stage, server: Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The same requests with `stream: false`, all at once: what a client gets from the non-streaming path."""
     async def one(http: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -525,7 +582,8 @@ async def _non_streamed(server: Server, bodies: list[dict[str, Any]]) -> list[di
         except httpx.HTTPError as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         if response.status_code != 200:
-            return {"error": f"HTTP {response.status_code}: {response.text[:300]}"}
+            cause = f"; the server's log: {stage.server_error(server)}" if response.status_code >= 500 else ""
+            return {"error": f"HTTP {response.status_code}: {response.text[:300]}{cause}"}
         payload = response.json()
         calls: list[dict[str, Any]] = []
         sse.join_tool_calls(calls, payload)
@@ -552,6 +610,13 @@ def _parsers(stage: Stage, server: Server, served: list[str], reasoning_on: bool
     tools_on = "--enable-auto-tool-choice" in served and tool_parser is not None
     if not reasoning_on and not tools_on:
         return Check("parsers", True, "the run config serves neither a tool parser nor a reasoning parser")
+    forcing = Substitution("guided_regex (parsers requests)", None, "the served tokenizer's own ids of the one "
+                           "string it matches, forced one per step (the CPU runtime's forced-literal-tokens)",
+                           "a random model writes no tool call; forced as ids, each special token reaches the "
+                           "parsers as its one id, as the real model emits it (a token-id parser sees what it "
+                           "would on the platform)")
+    if forcing not in stage.rehearsal.substitutions:
+        stage.rehearsal.substitutions.append(forcing)
     # the two tools called (the 29-schema prompt is the tools check's): the parser types arguments by them
     tools = workloads.tool_schemas()[:2]
     cases = [c for c in forced_outputs(tools) if (tools_on or not c.calls) and (reasoning_on or c.content or c.calls)]
@@ -567,11 +632,11 @@ def _parsers(stage: Stage, server: Server, served: list[str], reasoning_on: bool
         # streamed and not at once: one batch of decode steps instead of two (each forced output is long)
         streamed, whole = await asyncio.gather(
             _streamed(server, [client.Conversation(name, body=body) for name, body in bodies.items()], len(bodies)),
-            _non_streamed(server, list(bodies.values())))
+            _non_streamed(stage, server, list(bodies.values())))
         return streamed, whole
 
     (streamed_records, _), wholes = asyncio.run(both())
-    by_name = {r.conversation: r for r in _kept(stage, streamed_records, "parsers")}
+    by_name = {r.conversation: r for r in _kept(stage, _explained(stage, server, streamed_records), "parsers")}
     problems = []
     for case, whole in zip(cases, wholes, strict=True):
         want = case.expected(reasoning_on)
@@ -589,7 +654,8 @@ def _parsers(stage: Stage, server: Server, served: list[str], reasoning_on: bool
                                     f"reasoning parser {experiment.flag_value(served, '--reasoning-parser')}"
                                     if reasoning_on else "") if p)
     return Check("parsers", not problems, "; ".join(problems) or (
-        f"{len(cases)} outputs forced by guided_regex ({', '.join(c.name for c in cases)}), streamed and not: "
+        f"{len(cases)} outputs forced as the served tokenizer's ids ({', '.join(c.name for c in cases)}), streamed "
+        "and not: "
         f"the {parsers} split them as the client expects{skipped}"))
 
 
@@ -773,13 +839,14 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
     def compared(name: str, on: bool, *runs: tuple[int, str]) -> list[list[RequestRecord]]:
         # asked for no check of the served server, the first of these is the one that starts (on --port, if given)
         first = not rehearsal.has("start")
-        with _server(stage, name, prefix_caching=on, dtype=COMPARED_DTYPE, port=port if first else None) as (
-                server, _):
+        with _server(stage, name, prefix_caching=on, dtype=COMPARED_DTYPE, port=port if first else None,
+                     flags=(TOKEN_IDS_FLAG,)) as (server, _):
             if first:
                 rehearsal.checks.append(Check("start", True, f"the {name} server ({COMPARED_DTYPE}) ready after "
                                               f"{rehearsal.ready_s:.1f} s, TP {stage.tp}; the served server was not "
                                               "started: no check of it was asked"))
-            return [_send(stage, server, conversations(), concurrency, label) for concurrency, label in runs]
+            return [_send(stage, server, conversations(), concurrency, label, stream=False)
+                    for concurrency, label in runs]
 
     def other() -> tuple[list[RequestRecord], list[RequestRecord]]:
         """The same conversations on a fresh server without the prefix cache: one at a time, then two at a time."""
@@ -787,6 +854,7 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
                                    (2, "cache off, two at a time"))
         return alone, together
 
+    rehearsal.substitutions.extend(s for s in COMPARED if s not in rehearsal.substitutions)
     try:
         [first] = compared("cache-on", True, (2, "cache on, two at a time"))
         rehearsal.checks.append(cache_hits(stage, first))

@@ -61,6 +61,41 @@ def _rundir(request: RehearseRequest) -> Path:
     return out
 
 
+def refuse_unapplied(loaded: LoadedRecipe, found: dict[str, Path], request: RehearseRequest) -> None:
+    """A tree without some of the recipe's transforms serves another submission (a server that dies on a flag a
+    missing transform adds, or worse, starts): refused before anything is built or started, naming them."""
+    from toolkit.trial import untried_here
+
+    if request.rootfs is not None and not request.apply_to_rootfs:
+        from toolkit.commands.common import vendor_roots
+        from toolkit.engine.verify import verify_tree
+        from toolkit.results import State
+
+        roots, rootfs = vendor_roots(loaded, request.rootfs)
+        try:
+            results = verify_tree(loaded, roots[:1], rootfs, found).results
+        except ToolkitError as exc:
+            raise ToolkitError(f"--rootfs {request.rootfs}: cannot check that the recipe is applied there: "
+                               f"{exc.message}", hint=exc.hint or "pass --source NAME=PATH") from None
+        missing = sorted({r.transform for r in results if r.state in (State.WOULD_APPLY, State.DRIFTED)})
+        if missing:
+            raise ToolkitError(
+                f"--rootfs {request.rootfs}: the recipe is not applied there: {len(missing)} transform(s) not in "
+                f"place ({', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}); nothing was started",
+                hint=f"`toolkit apply {request.recipe} --rootfs {request.rootfs}` first, or rehearse a copy with the "
+                "recipe applied (`toolkit rehearse RECIPE --rootfs DIR --apply-to-copy`, as preflight --rootfs does)")
+        return
+    untried = untried_here(loaded.recipe, found)
+    if untried:
+        sources = sorted({t.pinned for t in loaded.recipe.transforms if t.id in untried and t.pinned})
+        shown = "; ".join(f"{tid}: {why}" for tid, why in list(untried.items())[:6])
+        raise ToolkitError(
+            f"{len(untried)} transform(s) cannot be applied here, so the rehearsed tree would not be the "
+            f"submission's ({shown}{'; ...' if len(untried) > 6 else ''}); nothing was started",
+            hint=" ".join(f"pass --source {name}=PATH (a clone of {s.git} at {s.commit[:12]}, a bare one is "
+                          "enough)" for s in loaded.recipe.sources for name in sources if s.name == name))
+
+
 def rehearse(request: RehearseRequest) -> Report:
     """Exit 0 only when every check of every variant holds."""
     from toolkit.bench import rehearse as bench_rehearse
@@ -77,6 +112,7 @@ def rehearse(request: RehearseRequest) -> Report:
     if loaded.recipe.model is None and request.model_config is None:
         raise ToolkitError("rehearse needs the served model's shape for its tiny model",
                            hint="add a `model:` section to the recipe, or pass --model-config DIR")
+    refuse_unapplied(loaded, found, request)
     tp = _tp(loaded, request.tp)
     if request.port is not None and port_in_use(request.port):
         raise ToolkitError(f"--port {request.port}: already taken on 127.0.0.1, nothing was started",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -45,6 +46,69 @@ SHIMS: dict[str, str] = {
     "gloo-for-nccl": "torch.distributed's nccl backend is gloo: the TP groups (and the ixformer all-reduce on them) "
                      "run between the CPU processes",
 }
+# what the runtime changes of what a model generates, for a request that asks for it alone (not a deviation the
+# device path needs, as SHIMS are: nothing else runs differently)
+FORCING: dict[str, str] = {
+    "forced-literal-tokens": "a guided_regex that matches exactly one string is served as the served tokenizer's own "
+                             "ids of that string, one forced per step, then the end of sequence: a random tiny model "
+                             "writes the family's formats as the real model would (each special token its one id), "
+                             "where outlines would let it spell `</think>` out of byte pieces; any other guided "
+                             "request is outlines', unchanged",
+}
+
+
+def literal_of(pattern: str) -> str | None:
+    """The one string a regex matches, when it is a plain sequence of literal characters (escapes included); else
+    None."""
+    # Python 3.11+ names the parser re._parser; the image's 3.10 sre_parse (deprecated since)
+    parser = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
+    try:
+        items = list(getattr(parser, "parse")(pattern))  # noqa: B009
+    except Exception:
+        return None
+    literal = getattr(parser, "LITERAL")  # noqa: B009
+    if any(op is not literal for op, _ in items):
+        return None
+    return "".join(chr(code) for _, code in items)
+
+
+class ForcedTokens:
+    """A logits processor (vLLM's two-argument form) that leaves only the next of `ids`, then `eos`."""
+
+    def __init__(self, ids: list[int], eos: int) -> None:
+        self.ids, self.eos = ids, eos
+
+    def __call__(self, output_ids: list[int], logits: Any) -> Any:
+        step = len(output_ids)
+        target = self.ids[step] if step < len(self.ids) else self.eos
+        forced = logits.new_full(logits.shape, float("-inf"))
+        forced[target] = 0.0
+        return logits + forced
+
+
+def _forced(guided_params: Any, tokenizer: Any) -> ForcedTokens | None:
+    pattern = getattr(guided_params, "regex", None)
+    literal = literal_of(pattern) if isinstance(pattern, str) else None
+    if literal is None:
+        return None
+    return ForcedTokens(list(tokenizer.encode(literal, add_special_tokens=False)), int(tokenizer.eos_token_id))
+
+
+def _forced_literals(guided: types.ModuleType) -> None:
+    original_async = getattr(guided, "get_guided_decoding_logits_processor")  # noqa: B009 - a module of the tree
+    original_local = getattr(guided, "get_local_guided_decoding_logits_processor")  # noqa: B009
+
+    async def get_guided_decoding_logits_processor(guided_params: Any, tokenizer: Any) -> Any:
+        forced = _forced(guided_params, tokenizer)
+        return forced if forced is not None else await original_async(guided_params, tokenizer)
+
+    def get_local_guided_decoding_logits_processor(guided_params: Any, tokenizer: Any) -> Any:
+        forced = _forced(guided_params, tokenizer)
+        return forced if forced is not None else original_local(guided_params, tokenizer)
+
+    setattr(guided, "get_guided_decoding_logits_processor", get_guided_decoding_logits_processor)  # noqa: B010
+    setattr(guided, "get_local_guided_decoding_logits_processor", get_local_guided_decoding_logits_processor)  # noqa: B010
+    standins.shim_applied("forced-literal-tokens")
 
 
 class CpuDeviceError(RuntimeError):
@@ -353,10 +417,10 @@ CHECKS = {"load-check": "every model parameter is NaN before the loader runs and
 def install(devices: dict[str, Any] | None, without: tuple[str, ...] = ()) -> None:
     """Every shim and check, each applied when its module is imported (idempotent); `without` leaves some out (the
     tests that see each one is needed)."""
-    unknown = set(without) - set(SHIMS) - set(CHECKS)
+    unknown = set(without) - set(SHIMS) - set(CHECKS) - set(FORCING)
     if unknown:
         raise CpuDeviceError(f"no shim named {', '.join(sorted(unknown))}: the shims and checks are "
-                             f"{', '.join([*SHIMS, *CHECKS])}")
+                             f"{', '.join([*SHIMS, *CHECKS, *FORCING])}")
     if standins.RECORD.get("cpu_device"):
         return
     if devices is None:
@@ -372,6 +436,9 @@ def install(devices: dict[str, Any] | None, without: tuple[str, ...] = ()) -> No
             _gloo(torch)
 
     standins.after_import("torch", on_torch)
+    if "forced-literal-tokens" not in without:
+        # patched as the package is first imported, before async_llm_engine and llm_engine bind its functions
+        standins.after_import("vllm.model_executor.guided_decoding", _forced_literals)
     if "load-check" not in without:
         standins.after_import("vllm.model_executor.model_loader.loader", _load_check)
 
