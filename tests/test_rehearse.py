@@ -372,3 +372,59 @@ def test_an_in_process_engines_rank_prefixed_traceback_is_read() -> None:
            "[rank0]: ValueError: The model's max seq len (12288) is larger than the maximum number of tokens\n")
     shown = rehearse.locate(log, Tree([], Path("/nonexistent"), {}, "nowhere"))
     assert shown.startswith("ValueError: The model's max seq len (12288)"), shown
+
+
+def test_an_unknown_check_is_refused_before_anything_is_built(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["rehearse", str(FLAGSHIP), "--check", "answer", "-o", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--check answer: no such check" in err and "one of short, tools" in err, err
+    assert not (tmp_path / "run").exists() and "rehearse: 1 variant(s)" not in err  # refused before the tree
+
+
+def _record(conversation: str, turn: int, cached: int, tokens: list[str]) -> Any:
+    from toolkit.bench.metrics import RequestRecord
+
+    return RequestRecord(f"{conversation}-{turn}", conversation, turn, 0, 0.0, ok=True, status=200,
+                         prompt_tokens=rehearse.BATCH_TOKENS + 10, cached_tokens=cached, cache_reported=True,
+                         completion_tokens=rehearse.MAX_TOKENS,
+                         logprobs=[{"token": t, "logprob": -1.0, "top": {t: -1.0}} for t in tokens])
+
+
+def test_a_cache_off_server_that_reports_cached_tokens_fails_the_comparison() -> None:
+    tokens = [f"token_id:{i}" for i in range(rehearse.MAX_TOKENS)]
+    on = [_record("c", turn, 64 * turn, tokens) for turn in range(3)]
+    clean = [_record("c", turn, 0, tokens) for turn in range(3)]
+    assert rehearse._prefix_cache(on, lambda: (clean, clean)).ok
+    leaky = [_record("c", turn, 32 * turn, tokens) for turn in range(3)]
+    check = rehearse._prefix_cache(on, lambda: (clean, leaky))
+    assert not check.ok and "the servers without --enable-prefix-caching reported cached tokens: c turn 1 (32 " \
+        "cached), c turn 2 (64 cached)" in check.detail, check.detail
+
+
+def test_a_server_that_wrote_no_stand_ins_record_fails_the_weights_check(tmp_path: Path) -> None:
+    import types
+
+    stage = types.SimpleNamespace(rehearsal=rehearse.Rehearsal("base", 2, tmp_path))
+    rehearse._read_record(stage, tmp_path / "nowhere" / "standins.json")  # type: ignore[arg-type]
+    [check] = stage.rehearsal.checks
+    assert check.name == "weights" and not check.ok and "no stand-ins record at" in check.detail
+
+
+def test_the_profile_check_alone_sends_what_it_needs(tmp_path: Path, adapter_args: list[str]) -> None:
+    report = rehearse_cmd(RehearseRequest(FLAGSHIP, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("profile",)))
+    checks = _checks(report)
+    assert set(checks) == {"start", "profile", "weights"}, checks  # the short request sent, not reported
+    assert checks["profile"]["ok"] and checks["profile"]["detail"].startswith("decode: "), checks["profile"]
+    assert stray_processes() == []
+
+
+def test_the_forced_calls_follow_the_served_tool_parser() -> None:
+    tools = workloads.tool_schemas()[:2]
+    first = rehearse.forced_outputs(tools)[0]
+    name = tools[0]["function"]["name"]
+    assert first.text(False, "hermes") == f'<tool_call>\n{json.dumps({"name": name, "arguments": first.calls[0][1]})}' \
+        "\n</tool_call>\n"
+    assert first.text(False).startswith(f"<tool_call>\n<function={name}>\n<parameter=")
+    assert first.text(False, "qwen3_coder") == first.text(False)

@@ -366,8 +366,19 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
     _read_record(stage, record)
 
 
+def refuse_unknown_checks(only: tuple[str, ...]) -> None:
+    """An unknown --check, refused before anything is built or started."""
+    unknown = sorted(set(only) - set(REQUEST_CHECKS))
+    if unknown:
+        raise ToolkitError(f"--check {', '.join(unknown)}: no such check", hint=f"one of {', '.join(REQUEST_CHECKS)}")
+
+
 def _read_record(stage: Stage, record: Path) -> None:
     if not record.is_file():
+        # the weights check reads it: a server that wrote none (its stand-ins never loaded) fails it, not skips it
+        if not stage.rehearsal.has("weights"):
+            stage.rehearsal.checks.append(Check("weights", False, f"no stand-ins record at {record}: the server's "
+                                                "Pythons did not load the runtime's stand-ins, so no load was seen"))
         return
     data = standins.read_record(record)
     rehearsal = stage.rehearsal
@@ -530,8 +541,8 @@ class Forced:
     content: str
     calls: tuple[tuple[str, dict[str, Any]], ...] = ()
 
-    def text(self, reasoning_on: bool) -> str:
-        body = self.content + "".join(_call_text(n, a) for n, a in self.calls)
+    def text(self, reasoning_on: bool, tool_parser: str = "qwen3_coder") -> str:
+        body = self.content + "".join(CALL_FORMATS[tool_parser](n, a) for n, a in self.calls)
         if not reasoning_on:
             return body
         return f"{self.reasoning}</think>\n\n{body}" if body else self.reasoning
@@ -543,9 +554,18 @@ class Forced:
                 "calls": [list(c) for c in self.calls]}
 
 
-def _call_text(name: str, arguments: dict[str, Any]) -> str:
+def _qwen3_coder_call(name: str, arguments: dict[str, Any]) -> str:
     params = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in arguments.items())
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>\n"
+
+
+def _hermes_call(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>\n"
+
+
+# how each tool parser's model family writes a call (the parsers check forces the served parser's)
+CALL_FORMATS: dict[str, Callable[[str, dict[str, Any]], str]] = {
+    "qwen3_coder": _qwen3_coder_call, "hermes": _hermes_call}
 
 
 def _literal(text: str) -> str:
@@ -619,10 +639,13 @@ def _parsers(stage: Stage, server: Server, served: list[str], reasoning_on: bool
         stage.rehearsal.substitutions.append(forcing)
     # the two tools called (the 29-schema prompt is the tools check's): the parser types arguments by them
     tools = workloads.tool_schemas()[:2]
+    if tools_on and tool_parser not in CALL_FORMATS:
+        return Check("parsers", False, f"no forced format for tool parser {tool_parser} (the check knows "
+                     f"{', '.join(CALL_FORMATS)}): its tool calls cannot be checked here")
     cases = [c for c in forced_outputs(tools) if (tools_on or not c.calls) and (reasoning_on or c.content or c.calls)]
     bodies = {}
     for case in cases:
-        text = case.text(reasoning_on)
+        text = case.text(reasoning_on, tool_parser or "qwen3_coder")
         bodies[case.name] = {
             "messages": [{"role": "user", "content": "What is the weather in Paris, and in Oslo?"}],
             **({"tools": tools, "tool_choice": "auto"} if tools_on else {}),
@@ -757,6 +780,13 @@ def _prefix_cache(cached: list[RequestRecord], other: Callable[[], tuple[list[Re
     if problems:
         return Check("prefix-cache", False, "; ".join(problems))
     alone, together = other()
+    # the servers compared against are the cache-off ones: one that reports a hit caches with the flag off, and
+    # then compares the cache with itself
+    cached_off = [f"{r.conversation} turn {r.turn} ({r.cached_tokens} cached)" for r in (*together, *alone)
+                  if r.ok and r.cached_tokens]
+    if cached_off:
+        problems.append("the servers without --enable-prefix-caching reported cached tokens: "
+                        + ", ".join(cached_off))
     noted = []
     for label, records in (("without the prefix cache, two at a time", together),
                            ("one at a time on a fresh server without the prefix cache", alone)):
@@ -781,11 +811,12 @@ def _served(stage: Stage, port: int | None, served: list[str], reasoning: bool, 
         with _server(stage, "served", port=port, extra={**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(profiled)}
                      if "profile" in wanted else None) as (server, argv):
             rehearsal.checks.append(Check("start", True, f"ready after {rehearsal.ready_s:.1f} s, TP {stage.tp}"))
-            if "short" in wanted:
+            if wanted & {"short", "profile"}:  # the profile's table needs a prefill and decode steps to hold
                 [short] = _send(stage, server, [client.Conversation(
                     "short", [client.Turn("Say hello in one word.")])], 1, "short")
                 rehearsal.first_token_s = short.ttft
-                rehearsal.checks.append(_answered("short", short, reasoning))
+                if "short" in wanted:
+                    rehearsal.checks.append(_answered("short", short, reasoning))
 
             def tools() -> Check:
                 [record] = _send(stage, server, [client.Conversation("tools", body=_tools_body())], 1, "tools")
@@ -809,9 +840,7 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
              say: Say | None = None, only: tuple[str, ...] = ()) -> Rehearsal:
     """Every check of one variant's rehearsal (`only`: of REQUEST_CHECKS, these), a failed start ending it with
     that check failed, located."""
-    unknown = sorted(set(only) - set(REQUEST_CHECKS))
-    if unknown:
-        raise ToolkitError(f"--check {', '.join(unknown)}: no such check", hint=f"one of {', '.join(REQUEST_CHECKS)}")
+    refuse_unknown_checks(only)
     wanted = set(only or REQUEST_CHECKS)
     rundir.mkdir(parents=True, exist_ok=True)
     rehearsal = Rehearsal(variant, tp, rundir)

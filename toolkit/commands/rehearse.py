@@ -106,6 +106,7 @@ def rehearse(request: RehearseRequest) -> Report:
     from toolkit.runtime.env import runtime
     from toolkit.submission.render import render
 
+    bench_rehearse.refuse_unknown_checks(request.checks)
     loaded, found = pinned(load_recipe(request.recipe), request.inputs)
     variants = [v for v in chosen_variants(loaded, request.variant, request.all_variants)
                 if not request.only or v.name in request.only]
