@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
@@ -469,3 +470,21 @@ def test_every_python_the_runtime_starts_sees_the_emulated_devices(python: Path,
     assert not got["parent-only"]["ok"] and error.startswith(
         "Model architectures ['Qwen2ForCausalLM'] are not supported for now. Supported architectures: ["), got
     assert "'Qwen2ForCausalLM'" in error.split("Supported architectures: ", 1)[1], error
+
+
+def test_max_completion_tokens_alone_limits_the_answer(cli, python: Path, corex_rootfs: Path, flagship_args: list[str],
+                                                       tmp_path: Path) -> None:
+    """The patched protocol (the adapter's protocol.py with the image layer's edits) reads max_completion_tokens
+    where a request gives no max_tokens; without the three openai-max-completion-tokens transforms (unknown fields
+    still ignored) it drops it, and the answer would run to the context's end."""
+    without = tmp_path / "without"
+    shutil.copytree(corex_rootfs, without / "rootfs", symlinks=True)
+    got, _ = run_on_patched_tree(cli, python, corex_rootfs, flagship_args, "runtime_protocol.py", tmp_path)
+    assert got == {"sampling": 5, "beam": 5}, got
+    recipe = recipe_copy(without / "recipe", lambda d: d.__setitem__("transforms", [
+        t for t in d["transforms"] if not t["id"].startswith("openai-max-completion-tokens")]))
+    assert cli("apply", recipe, "--rootfs", without / "rootfs", *flagship_args).code == 0
+    proc = subprocess.run([str(python), str(REPO / "tests" / "runtime_protocol.py")], capture_output=True, text=True,
+                          env=runtime_env(without, roots_of(without / "rootfs")[1]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == {"sampling": 1000, "beam": 1000}

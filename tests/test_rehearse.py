@@ -197,6 +197,8 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     [variant] = data["variants"]
     print(json.dumps({k: variant[k] for k in ("checks", "cache_hit_rate", "ready_s", "first_token_s")}, indent=1))
     checks = _checks(report)
+    assert f"max_completion_tokens alone limited the answer to {rehearse.MAX_TOKENS} tokens" in \
+        checks["multi-system"]["detail"], checks["multi-system"]
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
                            "prefix-cache"}
     # the server's own parsers split each forced output; its probes reached every declared region

@@ -511,8 +511,8 @@ def render_prompt(python: Path, model: Path, argv: list[str], messages: list[dic
 
 def _multi_system(stage: Stage, server: Server, argv: list[str], reasoning: bool) -> Check:
     messages = multi_system_messages()
-    body = {"messages": messages, "max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True}
+    # max_completion_tokens alone, as current OpenAI clients send it: the usage's completion count must be it
+    body = {"messages": messages, "max_completion_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     [record] = _send(stage, server, [client.Conversation("multi-system", body=body)], 1, "multi-system")
     problems = _problems(record, reasoning)
     rendered = render_prompt(stage.python, stage.model, argv, messages)
@@ -523,7 +523,8 @@ def _multi_system(stage: Stage, server: Server, argv: list[str], reasoning: bool
         problems.append(f"the server counted {record.prompt_tokens} prompt tokens, the served template's rendering "
                         f"has {rendered['tokens']}")
     return Check("multi-system", not problems, "; ".join(problems) or (
-        f"{len(SYSTEMS)} system messages (two after user turns) and max_completion_tokens accepted; "
+        f"{len(SYSTEMS)} system messages (two after user turns) accepted, max_completion_tokens alone limited the "
+        f"answer to {record.completion_tokens} tokens; "
         f"prompt_tokens {record.prompt_tokens} = the rendering's, which holds every system message"))
 
 
