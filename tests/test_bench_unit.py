@@ -431,3 +431,29 @@ def over_socket(behaviour: str, timeout: float = 1.0) -> RequestRecord:
 def test_failure_classes_through_the_default_transport(behaviour: str, failure: str) -> None:
     record = over_socket(behaviour)
     assert not record.ok and record.failure == failure, (record.failure, record.message)
+
+
+def test_a_whole_answer_fills_the_record_as_a_stream_does() -> None:
+    """Settings.stream False: one JSON answer (`stream: false` sent, no stream_options), every token's logprob,
+    the usage, the reply; an error status is still a failure of its class."""
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={
+            "choices": [{"message": {"role": "assistant", "content": "hi there", "reasoning_content": "r"},
+                         "finish_reason": "length",
+                         "logprobs": {"content": [{"token": "token_id:5", "logprob": -0.5,
+                                                   "top_logprobs": [{"token": "token_id:5", "logprob": -0.5}]},
+                                                  {"token": "token_id:7", "logprob": -1.0, "top_logprobs": []}]}}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}}})
+
+    settings = Settings("http://test", max_tokens=2, logprobs=1, stream=False)
+    [record], _ = asyncio.run(run([Conversation("c", [Turn("hi")])], settings, 1,
+                                  transport=httpx.MockTransport(handler)))
+    assert seen[0]["stream"] is False and "stream_options" not in seen[0]
+    assert record.ok and record.reply == "hi there" and record.reasoning == "r" and record.cached_tokens == 4
+    assert [t["token"] for t in record.logprobs] == ["token_id:5", "token_id:7"] and record.completion_tokens == 2
+    failed = asyncio.run(run([Conversation("c", [Turn("hi")])], settings, 1, transport=httpx.MockTransport(
+        lambda request: httpx.Response(500, json={"message": "boom"}))))[0][0]
+    assert not failed.ok and failed.failure == "http_5xx" and "boom" in failed.message

@@ -313,7 +313,7 @@ def test_the_flagship_builds_what_it_built_before_the_split(tmp_path: Path, adap
                       ["--package-root", f"transformers={site}"], corex_rootfs)
     expected = json.loads(SNAPSHOT.read_text())
     assert differences(expected, actual) == []
-    assert len(actual["transforms"]) == 92 and len(actual["patched"]) > 70  # 86, the three adapter fixes, max_completion_tokens
+    assert len(actual["transforms"]) == 92 and len(actual["patched"]) > 70  # 86 + 3 adapter fixes + 3
 
 
 def test_the_snapshot_sees_a_changed_build(tmp_path: Path) -> None:

@@ -133,7 +133,6 @@ class LintContext:
         return [self.loaded.patches_dir / t.source for t in self.recipe.transforms
                 if isinstance(t, Deploy) and t.pinned is None]
 
-
     def deployed_file(self, rel: str) -> tuple[Path | None, Deploy | None]:
         """The file a deploy puts at `rel` in every vendor root (rel: `vllm/...`), as it will be there: the deploy's
         source (None where it comes from a declared source not found here) and the deploy; (None, None) where
