@@ -412,17 +412,7 @@ def _weights(loads: list[dict[str, Any]], tp: int) -> Check:
 def _send(stage: Stage, server: Server, conversations: list[client.Conversation], concurrency: int,
           label: str, stream: bool = True) -> list[RequestRecord]:
     records, _ = asyncio.run(_streamed(server, conversations, concurrency, stream))
-    return _kept(stage, _explained(stage, server, records), label)
-
-
-def _explained(stage: Stage, server: Server, records: list[RequestRecord]) -> list[RequestRecord]:
-    """The records, each answered with HTTP 5xx carrying the server's own error (its traceback, located)."""
-    failed = [r for r in records if r.status is not None and r.status >= 500]
-    if failed:
-        cause = stage.server_error(server)
-        for record in failed:
-            record.message = f"{record.message}; the server's log: {cause}"
-    return records
+    return _kept(stage, server, records, label)
 
 
 async def _streamed(server: Server, conversations: list[client.Conversation],
@@ -432,8 +422,14 @@ async def _streamed(server: Server, conversations: list[client.Conversation],
     return await client.run(conversations, settings, concurrency)
 
 
-def _kept(stage: Stage, records: list[RequestRecord], label: str) -> list[RequestRecord]:
-    """The records, also in the report's requests."""
+def _kept(stage: Stage, server: Server, records: list[RequestRecord], label: str) -> list[RequestRecord]:
+    """The records, also in the report's requests; each answered with HTTP 5xx carries the server's own error (its
+    traceback, located)."""
+    failed = [r for r in records if r.status is not None and r.status >= 500]
+    if failed:
+        cause = stage.server_error(server)
+        for record in failed:
+            record.message = f"{record.message}; the server's log: {cause}"
     stage.rehearsal.requests.extend(
         {"sent": label, "conversation": r.conversation, "turn": r.turn, "status": r.status, "ok": r.ok,
          "failure": r.failure, "message": r.message, "prompt_tokens": r.prompt_tokens,
@@ -660,7 +656,7 @@ def _parsers(stage: Stage, server: Server, served: list[str], reasoning_on: bool
         return streamed, whole
 
     (streamed_records, _), wholes = asyncio.run(both())
-    by_name = {r.conversation: r for r in _kept(stage, _explained(stage, server, streamed_records), "parsers")}
+    by_name = {r.conversation: r for r in _kept(stage, server, streamed_records, "parsers")}
     problems = []
     for case, whole in zip(cases, wholes, strict=True):
         want = case.expected(reasoning_on)
