@@ -200,7 +200,10 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert f"max_completion_tokens alone limited the answer to {rehearse.MAX_TOKENS} tokens" in \
         checks["multi-system"]["detail"], checks["multi-system"]
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
-                           "prefix-cache"}
+                           "prefix-cache", "answers"}
+    # the oracles compared what they claim: TP 2 against TP 1, every decoded token against a fresh prefill
+    assert re.search(r"^3\d tokens of 3 answers at TP 2 equal TP 1's; 3\d decoded tokens each equal",
+                     checks["answers"]["detail"]), checks["answers"]
     # the server's own parsers split each forced output; its probes reached every declared region
     assert checks["parsers"]["detail"].startswith("5 outputs forced as the served tokenizer's ids"), checks["parsers"]
     assert "every declared region reached" in checks["profile"]["detail"], checks["profile"]
@@ -430,3 +433,108 @@ def test_the_forced_calls_follow_the_served_tool_parser() -> None:
         "\n</tool_call>\n"
     assert first.text(False).startswith(f"<tool_call>\n<function={name}>\n<parameter=")
     assert first.text(False, "qwen3_coder") == first.text(False)
+
+
+def _mutant(name: str, file: str, scope: str, new: str) -> Any:
+    """A recipe edit adding one transform that breaks the applied tree (a mutant of the served path)."""
+    def edit(data: dict[str, Any]) -> None:
+        data["transforms"].append({"id": name, "kind": "statements", "file": file, "scope": scope, "new": new,
+                                   "why": "a mutant: the rehearsal must fail on it", "remove_when": "never"})
+    return edit
+
+
+def test_a_tp_all_reduce_that_sums_nothing_fails_the_answers_against_tp1(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    """Each rank keeps its partial sums: the server starts, serves and caches as before, and only the oracle that
+    compares with one rank's answers can tell."""
+    recipe = recipe_copy(tmp_path / "recipe", _mutant("mutant-all-reduce-noop", "vllm/distributed/parallel_state.py",
+                                                       "GroupCoordinator.all_reduce", "return input_"))
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), output=tmp_path / "run",
+                                          checks=("answers",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"] and checks["weights"]["ok"], checks
+    detail = checks["answers"]["detail"]
+    print(detail)
+    assert not checks["answers"]["ok"] and "TP 2 differs from TP 1: " in detail, detail
+    [variant] = report.as_json()["variants"]
+    assert "ixformer.distributed.all_reduce" not in variant["references"], variant["references"]
+    assert stray_processes() == []
+
+
+def test_a_decode_reading_the_wrong_block_fails_the_answers_against_a_fresh_prefill(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    """The paged decode reads block 1 in place of block 0: the prefill path (the chunked prompt pass) does not go
+    through it, so each decoded token differs from the one a fresh prefill computes (TP 1: one server)."""
+    recipe = recipe_copy(tmp_path / "recipe", _mutant(
+        "mutant-decode-wrong-block", "vllm/_custom_ops.py", "paged_attention_v1",
+        "block_tables = block_tables.clone()\nblock_tables[:, 0] = block_tables[:, 1]"))
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("answers",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"], checks
+    detail = checks["answers"]["detail"]
+    print(detail)
+    assert not checks["answers"]["ok"] and "decode differs from prefill: " in detail, detail
+    assert "TP 1 is the rehearsed size" not in detail  # a failed check says what failed, not what it skipped
+    assert stray_processes() == []
+
+
+def _answer(name: str, ids: list[int], tops: list[dict[int, float]] | None = None) -> Any:
+    from toolkit.bench.answers import Answer, Prompt
+
+    tops = tops or [{i: -0.5} for i in ids]
+    return Answer(Prompt(name, (1, 2, 3)), tuple(ids), tuple(t[i] for t, i in zip(tops, ids, strict=True)),
+                  tuple(tops))
+
+
+def test_the_answers_are_read_by_id_and_a_server_naming_text_is_refused() -> None:
+    from toolkit.bench.answers import Prompt, parse_answer
+
+    payload = {"choices": [{"logprobs": {"tokens": ["token_id:5", "token_id:0"], "token_logprobs": [-0.1, -0.2],
+                                         "top_logprobs": [{"token_id:5": -0.1, "token_id:9": -3.0},
+                                                          {"token_id:0": -0.2}]}}]}
+    got = parse_answer(Prompt("p", (1,)), payload)
+    assert got.ids == (5, 0) and got.top[0] == {5: -0.1, 9: -3.0} and got.error is None
+    # two tokens that print as "" are still two ids; a server without the flag names text, which is refused
+    texts = {"choices": [{"logprobs": {"tokens": ["", ""], "token_logprobs": [-0.1, -0.2], "top_logprobs": None}}]}
+    assert "not as its id" in (parse_answer(Prompt("p", (1,)), texts).error or "")
+    assert "no logprobs.tokens" in (parse_answer(Prompt("p", (1,)), {"choices": [{}]}).error or "")
+
+
+def test_the_oracles_fail_on_a_different_token_step_over_a_near_tie_and_refuse_too_few() -> None:
+    from toolkit.bench import answers
+
+    mine = [_answer("a", [1, 2, 3, 4]), _answer("b", [5, 6, 7, 8])]
+    same = answers.against_tp1(mine, [_answer("a", [1, 2, 3, 4]), _answer("b", [5, 6, 7, 8])], 1e-3, 2)
+    assert same.differ == [] and same.compared == 8 and same.problems(8, "x") == []
+    assert same.problems(9, "of TP 2 against TP 1") == ["only 8 token(s) of TP 2 against TP 1 compared, fewer than "
+                                                        "the 9 this check needs"]
+    wrong = answers.against_tp1(mine, [_answer("a", [1, 2, 9, 4]), _answer("b", [5, 6, 7, 8])], 1e-3, 2)
+    assert wrong.compared == 6 and wrong.differ[0].startswith("a: token 2 is 3 at TP 2, 9 at TP 1"), wrong.differ
+    # both sides had the other's token within a thousandth of a nat: a near-tie, noted, not failed
+    tied_mine = [_answer("a", [1, 2, 3, 4], [{1: -.5}, {2: -.5}, {3: -.5, 9: -.5005}, {4: -.5}])]
+    tied_theirs = [_answer("a", [1, 2, 9, 7], [{1: -.5}, {2: -.5}, {9: -.5, 3: -.5002}, {7: -.5}])]
+    tie = answers.against_tp1(tied_mine, tied_theirs, 1e-3, 2)
+    assert tie.differ == [] and tie.compared == 2 and tie.ties == ["a at token 2 (logprobs 0.0005 apart)"]
+    # decode against prefill: the first token is the prompt's prefill, not a decode, and is not counted
+    answer = _answer("a", [1, 2, 3, 4])
+    nexts = [_answer(f"a+{k}", [t]) for k, t in enumerate([9, 2, 3, 4])]
+    prefill = answers.against_prefill(answer, nexts, 1e-3)
+    assert prefill.differ == [] and prefill.compared == 3
+    nexts[2] = _answer("a+2", [8])
+    prefill = answers.against_prefill(answer, nexts, 1e-3)
+    assert prefill.differ == ["a: decoded token 2 is 3, a prefill of the 2 before it gives 8"] and prefill.compared == 2
+    assert [p.ids for p in answers.prefill_prompts(answer)] == [(1, 2, 3), (1, 2, 3, 1), (1, 2, 3, 1, 2),
+                                                                (1, 2, 3, 1, 2, 3)]
+
+
+def test_the_tiny_model_keeps_the_recipes_kv_heads_relation_to_tp() -> None:
+    from toolkit.runtime.tiny_model import kv_heads, tiny_spec
+
+    # the flagship: 2 KV heads at TP 4 (each on two ranks) is one KV head at TP 2, replicated on both
+    assert kv_heads(2, 2, 4) == 1 and kv_heads(2, 1, 4) == 1 and kv_heads(2, 4, 4) == 2
+    assert kv_heads(4, 2, 4) == 2 and kv_heads(4, 2, None) == 2  # one a rank where the target has one a rank
+    spec = tiny_spec(load_recipe(FLAGSHIP).recipe.model, 2, served_tp=4)
+    assert (spec["num_key_value_heads"], spec["num_attention_heads"]) == (1, 8)
+    assert tiny_spec(load_recipe(REPO / "recipes/bi100-qwen25.yaml").recipe.model, 2, served_tp=4)[
+        "num_key_value_heads"] == 2

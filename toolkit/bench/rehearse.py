@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import yaml
 
-from toolkit.bench import client, experiment, sse, workloads
+from toolkit.bench import answers, client, experiment, sse, workloads
 from toolkit.bench.metrics import RequestRecord
 from toolkit.bench.serve import Server, free_port, port_in_use, stray_processes
 from toolkit.errors import ToolkitError
@@ -67,9 +67,14 @@ LONG_SYSTEM = " ".join(f"Rule {i}: the cache keeps block {i} of every prefix tha
                        for i in range(16))
 Say = Callable[[str], None]
 # what --check can choose; the start and the weights are checked whenever a server starts
-REQUEST_CHECKS = ("short", "tools", "multi-system", "parsers", "profile", "prefix-cache")
-# the checks answered by the server as the run config starts it; prefix-cache has its own two float32 servers
-SERVED_CHECKS = frozenset(REQUEST_CHECKS) - {"prefix-cache"}
+REQUEST_CHECKS = ("short", "tools", "multi-system", "parsers", "profile", "prefix-cache", "answers")
+# the checks answered by the server as the run config starts it; prefix-cache and answers have their own float32
+# servers (cache on, cache off, TP 1)
+SERVED_CHECKS = frozenset(REQUEST_CHECKS) - {"prefix-cache", "answers"}
+# each answer of the answers check: its decoded tokens are compared one by one with a fresh prefill's
+ANSWER_TOKENS = 12
+# an oracle that ends up comparing fewer tokens than this (near-ties early in every answer, failed requests) fails
+MIN_COMPARED = 16
 # the served server's probes on, for the profile check (no TOOLKIT_PROFILE_SYNC: a CPU computes as it is asked)
 PROFILE_ENV = {k: v for k, v in experiment.PROFILE_ENV.items() if k != "TOOLKIT_PROFILE_SYNC"}
 
@@ -92,6 +97,10 @@ COMPARED = (
     Substitution("stream (comparison requests)", "true", "false", "a whole answer carries every token's logprob; a "
                  "stream leaves out the deltas a reasoning parser holds back (a token that decodes to no text)"),
 )
+# the answers check's reference run: the same tree and checkpoint on one rank
+TP1 = Substitution("--tensor-parallel-size (the answers' reference server)", "the rehearsed TP", "1",
+                   "the answers at TP N must equal one rank's: a reduction, a shard or a replicated KV head gone wrong "
+                   "changes them")
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,15 @@ class Check:
     name: str
     ok: bool
     detail: str
+    applicable: bool = True  # False: nothing of the run config for this check to look at (the detail says why)
+
+    @property
+    def result(self) -> str:
+        return "n/a" if self.applicable is False else ("ok" if self.ok else "FAIL")
+
+
+def not_applicable(name: str, why: str) -> Check:
+    return Check(name, True, why, applicable=False)
 
 
 @dataclass
@@ -127,7 +145,7 @@ class Rehearsal:
 
     def as_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "tp": self.tp, "ok": self.ok, "rundir": str(self.rundir),
-                "checks": [asdict(c) for c in self.checks],
+                "checks": [{**asdict(c), "result": c.result} for c in self.checks],
                 "substitutions": [asdict(s) for s in self.substitutions], "shims": self.shims,
                 "references": self.references, "ready_s": self.ready_s, "first_token_s": self.first_token_s,
                 "cache_hit_rate": self.hit_rate, "logs": self.logs, "requests": self.requests}
@@ -308,7 +326,7 @@ class StartFailed(Exception):
 @contextlib.contextmanager
 def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: int | None = None,
             dtype: str | None = None, extra: dict[str, str] | None = None,
-            flags: tuple[str, ...] = ()) -> Iterator[tuple[Server, list[str]]]:
+            flags: tuple[str, ...] = (), tp: int | None = None) -> Iterator[tuple[Server, list[str]]]:
     """A server of the run config (with prefix caching switched as asked, another dtype and more env if asked),
     ready, stopped (its whole group) at the end whatever happens; its log and its stand-ins record in the run
     folder."""
@@ -316,7 +334,8 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
     if port_in_use(port):
         raise ToolkitError(f"port {port} is already taken on 127.0.0.1: the rehearsal's server cannot listen there",
                            hint="stop what listens there, or leave --port out (a free port is chosen)")
-    argv, env, subs = server_command(stage.run_config, stage.python, stage.model, port, stage.tp, stage.image)
+    tp = tp or stage.tp
+    argv, env, subs = server_command(stage.run_config, stage.python, stage.model, port, tp, stage.image)
     if prefix_caching is False:
         argv = [a for a in argv if a != "--enable-prefix-caching"]
     elif prefix_caching and "--enable-prefix-caching" not in argv:
@@ -346,7 +365,7 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
     server = Server(argv, full_env, cwd=stage.rundir, log_path=log, url=f"http://127.0.0.1:{port}",
                     model=served_name)
     stage.rehearsal.logs.append(str(log))
-    stage.say(f"rehearse: starting the {name} server (TP {stage.tp}, log {log})")
+    stage.say(f"rehearse: starting the {name} server (TP {tp}, log {log})")
     server.start()
     try:
         try:
@@ -626,7 +645,7 @@ def _parsers(stage: Stage, server: Server, served: list[str], reasoning_on: bool
     tool_parser = experiment.flag_value(served, "--tool-call-parser")
     tools_on = "--enable-auto-tool-choice" in served and tool_parser is not None
     if not reasoning_on and not tools_on:
-        return Check("parsers", True, "the run config serves neither a tool parser nor a reasoning parser")
+        return not_applicable("parsers", "the run config serves neither a tool parser nor a reasoning parser")
     forcing = Substitution("guided_regex (parsers requests)", None, "the served tokenizer's own ids of the one "
                            "string it matches, forced one per step (the CPU runtime's forced-literal-tokens)",
                            "a random model writes no tool call; forced as ids, each special token reaches the "
@@ -686,7 +705,7 @@ def profile_check(recipe: Recipe, folder: Path) -> Check:
 
     declared = [t.region for t in recipe.transforms if isinstance(t, Probe)]
     if not declared:
-        return Check("profile", True, "the recipe declares no probe")
+        return not_applicable("profile", "the recipe declares no probe")
     if not sorted(folder.glob("profile-*.jsonl")):
         return Check("profile", False, f"the served server ran with TOOLKIT_PROFILE=1 and wrote no record in {folder}"
                      f": its code carries none of the {len(declared)} declared probes")
@@ -832,11 +851,78 @@ def _served(stage: Stage, port: int | None, served: list[str], reasoning: bool, 
     return False
 
 
+def _answers_check(tp: int, mine: list[answers.Answer], nexts: list[list[answers.Answer]],
+                   theirs: list[answers.Answer] | None) -> Check:
+    """The oracles' verdict: TP N against TP 1 (when TP N > 1), every decoded token against a fresh prefill."""
+    problems: list[str] = []
+    noted: list[str] = []
+    said: list[str] = []
+    failed = [f"{a.prompt.name}: {a.error}" for a in mine if a.error]
+    if failed:
+        return Check("answers", False, "the answers could not be read: " + "; ".join(failed))
+    if theirs is not None:
+        tp1 = answers.against_tp1(mine, theirs, TIE_NATS, tp)
+        if found := tp1.problems(MIN_COMPARED, f"of TP {tp} against TP 1"):
+            problems.append(f"TP {tp} differs from TP 1: {'; '.join(found)}")
+        if tp1.ties:
+            noted.append(f"TP {tp} parted from TP 1 only at a near-tie: {', '.join(tp1.ties)}")
+        said.append(f"{tp1.compared} tokens of {len(mine)} answers at TP {tp} equal TP 1's")
+    else:
+        said.append("TP 1 is the rehearsed size: no answer of another rank count to compare with")
+    prefill = answers.Comparison()
+    for answer, following in zip(mine, nexts, strict=True):
+        one = answers.against_prefill(answer, following, TIE_NATS)
+        prefill.differ += one.differ
+        prefill.ties += one.ties
+        prefill.compared += one.compared
+    if found := prefill.problems(MIN_COMPARED, "decoded"):
+        problems.append(f"decode differs from prefill: {'; '.join(found)}")
+    if prefill.ties:
+        noted.append(f"decoded tokens parted from a prefill's only at a near-tie: {', '.join(prefill.ties)}")
+    said.append(f"{prefill.compared} decoded tokens each equal the next token of a fresh prefill of what came before "
+                "it")
+    lengths = [len(a.prompt.ids) for a in mine]
+    shown = (f"{'; '.join(said)} (prompts of {min(lengths)}-{max(lengths)} tokens, {ANSWER_TOKENS} greedy tokens each, "
+             f"{COMPARED_DTYPE}, prefix cache off, by token id)")
+    extra = f" ({'; '.join(noted)})" if noted else ""
+    return Check("answers", not problems, "; ".join(problems) + extra if problems else shown + extra)
+
+
+def answer_messages() -> list[tuple[str, list[dict[str, Any]]]]:
+    """What the answers are asked: the conversations' first turns (longer than the batch-token budget: a chunked
+    prefill) and the multi-system request (one chunk)."""
+    firsts = [(c.id, [{"role": "system", "content": c.system or ""}, {"role": "user", "content": c.turns[0].user}])
+              for c in conversations()]
+    return [*firsts, ("multi-system", multi_system_messages())]
+
+
+def _answer(stage: Stage, server: Server, label: str, prompts: list[answers.Prompt],
+            max_tokens: int) -> list[answers.Answer]:
+    """The prompts' greedy answers on `server`, kept in the report's requests; a 5xx carries the server's error."""
+    got = answers.answers(server.url, server.model, prompts, max_tokens, TOP_LOGPROBS)
+    if any(a.error and a.error.startswith("HTTP 5") for a in got):
+        cause = stage.server_error(server)
+        got = [answers.Answer(a.prompt, error=f"{a.error}; the server's log: {cause}") if a.error else a for a in got]
+    stage.rehearsal.requests.extend({"sent": label, "conversation": a.prompt.name, "prompt_tokens": len(a.prompt.ids),
+                                     "ok": a.error is None, "message": a.error, "token_ids": list(a.ids)} for a in got)
+    return got
+
+
+def _tokenized(server: Server) -> list[answers.Prompt]:
+    async def run() -> list[answers.Prompt]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return [answers.Prompt(name, tuple(await answers.tokenize(http, server.url, server.model, messages)))
+                    for name, messages in answer_messages()]
+    return asyncio.run(run())
+
+
 def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: Path, model: Path, tp: int,
              rundir: Path, image: Path | None = None, memory_gb: float = DEVICE_MEMORY_GB, port: int | None = None,
              say: Say | None = None, only: tuple[str, ...] = ()) -> Rehearsal:
     """Every check of one variant's rehearsal (`only`: of REQUEST_CHECKS, these), a failed start ending it with
-    that check failed, located."""
+    that check failed, located. The servers, each started once and only when a wanted check needs it: the served
+    one (the run config as it is), then in float32 with token ids the cache-on one (prefix-cache), the cache-off
+    one (prefix-cache, answers) and a TP 1 one (answers, when TP > 1)."""
     refuse_unknown_checks(only)
     wanted = set(only or REQUEST_CHECKS)
     rundir.mkdir(parents=True, exist_ok=True)
@@ -855,40 +941,67 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
         return rehearsal
     if "profile" in wanted:
         rehearsal.checks.append(profile_check(recipe, profiled))
-    if "prefix-cache" not in wanted:
-        return rehearsal
-    if not caching:
-        rehearsal.checks.append(Check("prefix-cache", True, "the run config serves without the prefix cache: "
-                                      "nothing to compare"))
+    if "prefix-cache" in wanted and not caching:
+        rehearsal.checks.append(not_applicable("prefix-cache", "the run config serves without the prefix cache: "
+                                               "nothing to compare"))
+    cache = "prefix-cache" in wanted and caching
+    if not cache and "answers" not in wanted:
         return rehearsal
 
-    def compared(name: str, on: bool, *runs: tuple[int, str]) -> list[list[RequestRecord]]:
+    @contextlib.contextmanager
+    def compared(name: str, on: bool, server_tp: int | None = None) -> Iterator[Server]:
         # asked for no check of the served server, the first of these is the one that starts (on --port, if given)
         first = not rehearsal.has("start")
         with _server(stage, name, prefix_caching=on, dtype=COMPARED_DTYPE, port=port if first else None,
-                     flags=(TOKEN_IDS_FLAG,)) as (server, _):
+                     flags=(TOKEN_IDS_FLAG,), tp=server_tp) as (server, _):
             if first:
                 rehearsal.checks.append(Check("start", True, f"the {name} server ({COMPARED_DTYPE}) ready after "
                                               f"{rehearsal.ready_s:.1f} s, TP {stage.tp}; the served server was not "
                                               "started: no check of it was asked"))
-            return [_send(stage, server, conversations(), concurrency, label, stream=False)
-                    for concurrency, label in runs]
+            yield server
 
-    def other() -> tuple[list[RequestRecord], list[RequestRecord]]:
-        """The same conversations on a fresh server without the prefix cache: one at a time, then two at a time."""
-        alone, together = compared("cache-off", False, (1, "cache off, one at a time"),
-                                   (2, "cache off, two at a time"))
-        return alone, together
+    def runs(server: Server, *labelled: tuple[int, str]) -> list[list[RequestRecord]]:
+        return [_send(stage, server, conversations(), concurrency, label, stream=False)
+                for concurrency, label in labelled]
 
     rehearsal.substitutions.extend(s for s in COMPARED if s not in rehearsal.substitutions)
+    current = "cache-on"
     try:
-        [first] = compared("cache-on", True, (2, "cache on, two at a time"))
-        rehearsal.checks.append(cache_hits(stage, first))
-        rehearsal.checks.append(_prefix_cache(first, other))
+        cached: list[RequestRecord] = []
+        if cache:
+            with compared("cache-on", True) as server:
+                [cached] = runs(server, (2, "cache on, two at a time"))
+            rehearsal.checks.append(cache_hits(stage, cached))
+        current = "cache-off"
+        with compared("cache-off", False) as server:
+            if cache:
+                alone, together = runs(server, (1, "cache off, one at a time"), (2, "cache off, two at a time"))
+                rehearsal.checks.append(_prefix_cache(cached, lambda: (alone, together)))
+            if "answers" not in wanted:
+                return rehearsal
+            prompts = _tokenized(server)
+            mine = _answer(stage, server, f"answers, TP {tp}", prompts, ANSWER_TOKENS)
+            following = [answers.prefill_prompts(a) for a in mine]
+            flat = _answer(stage, server, f"answers, TP {tp}: one token after a fresh prefill",
+                           [p for group in following for p in group], 1)
+            nexts, at = [], 0
+            for group in following:
+                nexts.append(flat[at:at + len(group)])
+                at += len(group)
+        theirs = None
+        if tp > 1 and not any(a.error for a in mine):
+            current = "TP 1"
+            if TP1 not in rehearsal.substitutions:
+                rehearsal.substitutions.append(TP1)
+            with compared("tp1", False, server_tp=1) as server:
+                theirs = _answer(stage, server, "answers, TP 1", prompts, ANSWER_TOKENS)
+        rehearsal.checks.append(_answers_check(tp, mine, nexts, theirs))
     except StartFailed as failed:
         if not rehearsal.has("start"):
-            rehearsal.checks.append(Check("start", False, f"the cache-on server did not start: {failed}"))
-        rehearsal.checks.append(Check("prefix-cache", False, f"a {COMPARED_DTYPE} server of the comparison did not "
-                                      f"start: {failed}"))
+            rehearsal.checks.append(Check("start", False, f"the {current} server did not start: {failed}"))
+        for name in [n for n in ("prefix-cache", "answers") if n in wanted and not rehearsal.has(n)]:
+            if name == "prefix-cache" and not cache:
+                continue
+            rehearsal.checks.append(Check(name, False, f"the {current} server ({COMPARED_DTYPE}) of the comparison "
+                                          f"did not start: {failed}"))
     return rehearsal
-

@@ -38,16 +38,22 @@ class RehearseRequest:
     apply_to_rootfs: bool = False  # the rootfs holds the image's roots as they are: the recipe is applied to a copy
 
 
-def _tp(loaded: LoadedRecipe, asked: int | None) -> int:
+def _served_tp(loaded: LoadedRecipe) -> int | None:
+    """The recipe's own tensor-parallel size (None: not set)."""
     from toolkit.bench.experiment import flag_value
     from toolkit.submission.render import argv
 
+    served = flag_value(argv(loaded.recipe), "--tensor-parallel-size")
+    return int(served) if served is not None else None
+
+
+def _tp(loaded: LoadedRecipe, asked: int | None) -> int:
     if asked is not None:
         if asked < 1:
             raise ToolkitError(f"--tp {asked}: a tensor-parallel size is 1 or more")
         return asked
-    served = flag_value(argv(loaded.recipe), "--tensor-parallel-size")
-    return 2 if served is not None and int(served) > 1 else 1
+    served = _served_tp(loaded)
+    return 2 if served is not None and served > 1 else 1
 
 
 def _rundir(request: RehearseRequest) -> Path:
@@ -115,13 +121,14 @@ def rehearse(request: RehearseRequest) -> Report:
                            hint="add a `model:` section to the recipe, or pass --model-config DIR")
     refuse_unapplied(loaded, found, request)
     tp = _tp(loaded, request.tp)
+    served_tp = _served_tp(loaded)
     if request.port is not None and port_in_use(request.port):
         raise ToolkitError(f"--port {request.port}: already taken on 127.0.0.1, nothing was started",
                            hint="stop what listens there, or leave --port out (a free port is chosen)")
     rundir = _rundir(request)
     python = runtime()
     started = time.monotonic()
-    spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config)
+    spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config, served_tp)
     model = tiny_model.build(spec, python, cache_dir() / "tiny-models")
     rehearsals = []
     with tempfile.TemporaryDirectory(prefix="toolkit-rehearse-tree-") as tmp:
@@ -158,7 +165,7 @@ def report(loaded: LoadedRecipe, rehearsals: list[Rehearsal], where: str, second
     notes = [f"rehearsed on {where}, {seconds:.0f} s"]
     for r in rehearsals:
         for check in r.checks:
-            rows.append((r.variant, check.name, "[ok]" if check.ok else "[FAIL]", check.detail))
+            rows.append((r.variant, check.name, f"[{check.result}]", check.detail))
             if not check.ok:
                 findings.append(Finding(check.name, r.variant, "", check.detail))
         notes.extend(f"{r.variant}: {s.flag} {s.served if s.served is not None else '(not given)'} -> {s.rehearsed} "

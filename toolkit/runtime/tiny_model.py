@@ -48,8 +48,23 @@ POSITIONS = 16384
 SEED = 0
 
 
-def tiny_spec(model: Any, tp: int, model_config: Path | None = None) -> dict[str, Any]:
-    """The tiny model's spec from the recipe's `model:` (a ModelShape) at tensor-parallel size `tp`; with
+def kv_heads(kv: int, tp: int, served_tp: int | None) -> int:
+    """The tiny model's KV heads at `tp`: one a rank, or, where the served model has fewer KV heads than its
+    `served_tp` ranks (2 at TP 4: each KV head replicated on two ranks), as many ranks sharing each one as there
+    (one KV head at TP 2), so the replicated layout the target runs is the one rehearsed."""
+    from toolkit.errors import ToolkitError
+
+    if served_tp is None or kv >= served_tp:
+        return tp
+    if served_tp % kv:
+        raise ToolkitError(f"{kv} KV heads do not replicate evenly over {served_tp} ranks",
+                           hint="vLLM needs the tensor-parallel size to be a multiple of the KV heads below it")
+    return max(1, tp // (served_tp // kv))
+
+
+def tiny_spec(model: Any, tp: int, model_config: Path | None = None, served_tp: int | None = None) -> dict[str, Any]:
+    """The tiny model's spec from the recipe's `model:` (a ModelShape) at tensor-parallel size `tp` (`served_tp`:
+    the recipe's own, whose relation to the KV heads the tiny model keeps, see `kv_heads`); with
     `model_config`, a folder holding the served model's real config.json (and, when present, its
     model.safetensors.index.json), the shape ratios and layer pattern are the real config's and, for the composite
     hybrid config, the tensor names the index's, exactly (see `real_names`; a single config's names are the ones
@@ -65,8 +80,11 @@ def tiny_spec(model: Any, tp: int, model_config: Path | None = None) -> dict[str
     if heads % model.num_kv_heads:
         raise ToolkitError(f"{heads} query heads do not split over {model.num_kv_heads} KV heads")
     ratio = heads // model.num_kv_heads
+    kv = kv_heads(model.num_kv_heads, tp, served_tp)
+    if (ratio * kv) % tp:
+        raise ToolkitError(f"{ratio * kv} query heads of the tiny model do not split over {tp} ranks")
     spec = {"architecture": model.architecture, "model_type": model.model_type, "dtype": model.dtype,
-            "head_dim": model.head_dim, "num_key_value_heads": tp, "num_attention_heads": ratio * tp,
+            "head_dim": model.head_dim, "num_key_value_heads": kv, "num_attention_heads": ratio * kv,
             "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "seed": SEED}
     if not model.text_config and model.linear_attention is None:
         return spec

@@ -1,0 +1,185 @@
+"""The rehearsal's oracles: what the served path computes, compared with computations that do not share its defects.
+
+Every answer is read on one channel every adapter keeps: `/v1/completions` with a token-id prompt, greedy, the
+server started with `--return-tokens-as-token-ids`, so each token is its id (`token_id:N`), never its text. The
+prompts are the served chat template's renderings, as the server's own `/tokenize` gives them.
+
+- **TP 1** (`against_tp1`): the answers at TP N equal those of a TP 1 server on the same tree and checkpoint. A TP
+  all-reduce that sums nothing, a shard loaded into the wrong rank, replicated KV heads read from the wrong head:
+  each makes the ranks' answer differ from one rank's.
+- **Prefill** (`against_prefill`): every decoded token equals the next token of a fresh prefill of the prompt and
+  the tokens before it (`max_tokens` 1, prefix cache off). The decode path (paged attention over the block table,
+  the recurrent state carried step by step) against the prefill path (the chunked prompt pass).
+
+Both servers compute in float32 (in bf16 how a step is batched changes its rounding); two answers that part where
+both sides had the two tokens within `tie_nats` of each other took the two sides of a near-tie, which is reported,
+not failed. A comparison that ends up with fewer than `minimum` tokens compared fails: an oracle that compared
+nothing has not passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+TOKEN_ID_PREFIX = "token_id:"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    name: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One greedy answer as token ids, each with its logprob and the top alternatives (id -> logprob)."""
+
+    prompt: Prompt
+    ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    top: tuple[dict[int, float], ...] = ()
+    error: str | None = None
+
+
+@dataclass
+class Comparison:
+    """What one oracle found: answers or tokens that differ, near-ties it stepped over, and how many tokens it
+    compared."""
+
+    differ: list[str] = field(default_factory=list)
+    ties: list[str] = field(default_factory=list)
+    compared: int = 0
+
+    def problems(self, minimum: int, what: str) -> list[str]:
+        found = list(self.differ)
+        if self.compared < minimum:
+            found.append(f"only {self.compared} token(s) {what} compared, fewer than the {minimum} this check needs")
+        return found
+
+
+def token_id(token: str) -> int:
+    """`token_id:N` (vLLM's --return-tokens-as-token-ids) as N; anything else is the server not naming ids."""
+    if not token.startswith(TOKEN_ID_PREFIX):
+        raise ValueError(f"a token came as {token!r}, not as its id: the server runs without "
+                         "--return-tokens-as-token-ids")
+    return int(token[len(TOKEN_ID_PREFIX):])
+
+
+def parse_answer(prompt: Prompt, payload: dict[str, Any]) -> Answer:
+    """A `/v1/completions` response (one choice, logprobs asked) as an Answer."""
+    choice = (payload.get("choices") or [{}])[0]
+    logprobs = choice.get("logprobs") or {}
+    tokens = logprobs.get("tokens")
+    if tokens is None:
+        return Answer(prompt, error=f"the answer carries no logprobs.tokens: {str(payload)[:300]}")
+    try:
+        ids = tuple(token_id(t) for t in tokens)
+        top = tuple({token_id(k): float(v) for k, v in (alternatives or {}).items()}
+                    for alternatives in logprobs.get("top_logprobs") or [{}] * len(ids))
+    except ValueError as exc:
+        return Answer(prompt, error=str(exc))
+    values = tuple(float(v) if v is not None else float("nan") for v in logprobs.get("token_logprobs") or ())
+    return Answer(prompt, ids, values, top)
+
+
+async def tokenize(http: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, Any]]) -> list[int]:
+    """The served chat template's rendering of `messages` (with the generation prompt) as the server's ids."""
+    response = await http.post(url.rstrip("/") + "/tokenize", json={
+        "model": model, "messages": messages, "add_generation_prompt": True, "add_special_tokens": False})
+    response.raise_for_status()
+    return [int(i) for i in response.json()["tokens"]]
+
+
+async def complete(http: httpx.AsyncClient, url: str, model: str, prompt: Prompt, max_tokens: int,
+                   top: int) -> Answer:
+    """A greedy completion of a token-id prompt, every token with its id and logprob."""
+    body = {"model": model, "prompt": list(prompt.ids), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "logprobs": top, "stream": False}
+    try:
+        response = await http.post(url.rstrip("/") + "/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        return Answer(prompt, error=f"{type(exc).__name__}: {exc}")
+    if response.status_code != 200:
+        return Answer(prompt, error=f"HTTP {response.status_code}: {response.text[:300]}")
+    return parse_answer(prompt, response.json())
+
+
+def answers(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int, top: int) -> list[Answer]:
+    """Each prompt's answer, all sent at once (the server batches their steps, as it would its clients')."""
+    async def run() -> list[Answer]:
+        async with httpx.AsyncClient(timeout=600) as http:
+            return list(await asyncio.gather(*(complete(http, url, model, p, max_tokens, top) for p in prompts)))
+    return asyncio.run(run())
+
+
+def prefill_prompts(answer: Answer) -> list[Prompt]:
+    """For each token of `answer`: its prompt and the tokens before it, whose one next token a prefill computes."""
+    return [Prompt(f"{answer.prompt.name} + {k} token(s)", answer.prompt.ids + answer.ids[:k])
+            for k in range(len(answer.ids))]
+
+
+def _gap(logprob: float, top: dict[int, float], other: int) -> float:
+    return abs(logprob - top.get(other, float("-inf")))
+
+
+def _tie(a_id: int, a_lp: float, a_top: dict[int, float], b_id: int, b_lp: float, b_top: dict[int, float],
+         tie_nats: float) -> float | None:
+    """How far apart the two tokens were, when both sides had the other's within `tie_nats` of their own."""
+    gap = max(_gap(a_lp, a_top, b_id), _gap(b_lp, b_top, a_id))
+    return gap if gap <= tie_nats else None
+
+
+def against_tp1(mine: Sequence[Answer], theirs: Sequence[Answer], tie_nats: float, tp: int) -> Comparison:
+    """Each answer at TP `tp` against the same prompt's at TP 1, token by token, up to where they part at a
+    near-tie (the tokens after it continue another prefix)."""
+    out = Comparison()
+    for a, b in zip(mine, theirs, strict=True):
+        name = a.prompt.name
+        if a.error or b.error:
+            out.differ.append(f"{name}: a request failed ({a.error or b.error})")
+            continue
+        j = next((i for i, (x, y) in enumerate(zip(a.ids, b.ids, strict=False)) if x != y), None)
+        if j is None:
+            if len(a.ids) != len(b.ids):
+                out.differ.append(f"{name}: {len(a.ids)} tokens at TP {tp}, {len(b.ids)} at TP 1")
+            out.compared += min(len(a.ids), len(b.ids))
+            continue
+        out.compared += j
+        tie = _tie(a.ids[j], a.logprobs[j], a.top[j], b.ids[j], b.logprobs[j], b.top[j], tie_nats)
+        if tie is None:
+            out.differ.append(f"{name}: token {j} is {a.ids[j]} at TP {tp}, {b.ids[j]} at TP 1 "
+                              f"(ids {list(a.ids)} vs {list(b.ids)})")
+        else:
+            out.ties.append(f"{name} at token {j} (logprobs {tie:.4f} apart)")
+    return out
+
+
+def against_prefill(answer: Answer, nexts: Sequence[Answer], tie_nats: float) -> Comparison:
+    """Each decoded token of `answer` against the one token a fresh prefill of what came before it computes; the
+    first token (itself computed by the prompt's prefill) is not a decode and is not counted."""
+    out = Comparison()
+    name = answer.prompt.name
+    if answer.error:
+        out.differ.append(f"{name}: the answer failed ({answer.error})")
+        return out
+    for k, (token, lp, top, nxt) in enumerate(zip(answer.ids, answer.logprobs, answer.top, nexts, strict=True)):
+        if nxt.error or not nxt.ids:
+            out.differ.append(f"{name}: the prefill of its first {k} token(s) failed ({nxt.error or 'no token'})")
+            continue
+        if k == 0:
+            continue
+        if nxt.ids[0] == token:
+            out.compared += 1
+            continue
+        tie = _tie(token, lp, top, nxt.ids[0], nxt.logprobs[0], nxt.top[0], tie_nats)
+        if tie is None:
+            out.differ.append(f"{name}: decoded token {k} is {token}, a prefill of the {k} before it gives "
+                              f"{nxt.ids[0]}")
+        else:
+            out.ties.append(f"{name} at token {k} (logprobs {tie:.4f} apart)")
+    return out
