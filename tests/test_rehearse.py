@@ -217,6 +217,7 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert {"gloo-for-nccl", "load-check", "registry-check-forked"} <= set(variant["shims"])
     tools = next(r for r in variant["requests"] if r["sent"] == "tools")
     assert tools["prompt_tokens"] > 4000  # the 29 schemas reached the prompt
+    assert "prompt_tokens = the served template's rendering with every tool schema" in checks["tools"]["detail"]
     log = Path(variant["logs"][0]).read_text(encoding="utf-8", errors="replace")
     assert "VllmWorkerProcess" in log  # the second rank ran in its own process
     assert stray_processes() == [], "every server's group (engine process, TP worker) was stopped"
@@ -255,12 +256,15 @@ def test_a_template_that_keeps_only_a_leading_system_message_fails_the_multi_sys
         tmp_path: Path, adapter_args: list[str]) -> None:
     recipe = _mutant_recipe(tmp_path, template=LEADING_SYSTEM_ONLY)
     report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
-                                          checks=("multi-system",)))
+                                          checks=("multi-system", "tools")))
     checks = _checks(report)
     assert report.exit_code == 1 and checks["start"]["ok"]
     assert not checks["multi-system"]["ok"]
     assert "the served template's rendering lacks system message(s) [2, 3] of 3" in checks["multi-system"]["detail"]
-    assert set(checks) == {"start", "multi-system", "weights"}
+    assert set(checks) == {"start", "multi-system", "tools", "weights"}
+    # the template renders no tools: the request is answered, but its schemas never reached the prompt
+    assert not checks["tools"]["ok"] and "the served template's rendering names 0 of 29 tools" in \
+        checks["tools"]["detail"], checks["tools"]
 
 
 def test_the_prefix_state_transforms_removed_change_the_tokens_with_the_cache_on(
@@ -538,3 +542,56 @@ def test_the_tiny_model_keeps_the_recipes_kv_heads_relation_to_tp() -> None:
     assert (spec["num_key_value_heads"], spec["num_attention_heads"]) == (1, 8)
     assert tiny_spec(load_recipe(REPO / "recipes/bi100-qwen25.yaml").recipe.model, 2, served_tp=4)[
         "num_key_value_heads"] == 2
+
+
+def test_every_variable_a_server_gets_beyond_the_run_configs_is_a_substitution_and_its_pythonpath_is_kept(
+        tmp_path: Path) -> None:
+    import types
+
+    image = tmp_path / "image"
+    (image / "usr/local/corex/lib64/python3/dist-packages").mkdir(parents=True)
+    tree = tmp_path / "tree"
+    stage = types.SimpleNamespace(recipe=load_recipe(FLAGSHIP).recipe, image=image, memory_gb=0.5,
+                                  tree=types.SimpleNamespace(paths=[tree]))
+    env = {"PYTHONPATH": "/usr/local/corex/lib64/python3/dist-packages:/opt/not-in-the-image", "MOE_NATIVE": "1",
+           "HF_HUB_OFFLINE": "0"}
+    out, subs = rehearse.server_environment(stage, env, tmp_path / "standins.json",  # type: ignore[arg-type]
+                                            {"TOOLKIT_PROFILE": "1"}, "served")
+    paths = out["PYTHONPATH"].split(":")
+    assert paths[1] == str(tree) and paths[2:] == [str(image / "usr/local/corex/lib64/python3/dist-packages"),
+                                                   "/opt/not-in-the-image"], paths
+    assert out["MOE_NATIVE"] == "1" and out["HF_HUB_OFFLINE"] == "1" and out["TOOLKIT_PROFILE"] == "1"
+    said = {s.flag.split()[1]: s for s in subs}
+    # every variable that is not the run config's says so, with what the run config had and why; nothing else does
+    assert set(said) == {k for k in out if env.get(k) != out[k]}, set(said) ^ {k for k in out if env.get(k) != out[k]}
+    assert {"TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK",
+            "PYTHONPATH", "TOOLKIT_GPU_STANDINS", "TOOLKIT_CPU_DEVICE", "TOOLKIT_PROFILE", "PATH"} <= set(said)
+    assert said["HF_HUB_OFFLINE"].served == "0" and said["PYTHONPATH"].served == env["PYTHONPATH"]
+    assert "then the run config's own entries" in said["PYTHONPATH"].why
+    assert all(s.why for s in subs)
+
+
+def test_chunking_is_decided_as_vllm_decides_it_for_the_served_argv() -> None:
+    loaded = load_recipe(FLAGSHIP)
+    config = yaml.safe_load(render(loaded.recipe, loaded.path.name, "base").run_config)
+
+    def rehearsed(command: list[str], auto: bool = True) -> tuple[list[str], dict[str, Any]]:
+        argv, _, subs = rehearse.server_command(yaml.safe_dump({**config, "command": command}), Path("/py"),
+                                                Path("/tiny"), 8123, 2, auto_chunk=auto)
+        return argv, {s.flag: s for s in subs}
+
+    without = [c for c in config["command"] if c != "--enable-chunked-prefill"]
+    # no flag, 245000 tokens: vLLM 0.6.3 chunks by itself, and the rehearsal says so where the tiny length would not
+    argv, said = rehearsed(without)
+    assert "--enable-chunked-prefill" in argv and said["--enable-chunked-prefill"].served is None
+    assert "turns chunked prefill on by itself for the served --max-model-len 245000" in \
+        said["--enable-chunked-prefill"].why
+    assert rehearse.experiment.flag_value(argv, "--max-num-batched-tokens") == str(rehearse.BATCH_TOKENS)
+    # a tree whose auto rule a transform took out (the adapter's): only the flag decides
+    argv, said = rehearsed(without, auto=False)
+    assert "--enable-chunked-prefill" not in argv and "--enable-chunked-prefill" not in said
+    assert rehearse.experiment.flag_value(argv, "--max-num-batched-tokens") == str(rehearse.MAX_MODEL_LEN)
+    # a value false is read as false, not as the flag's presence
+    argv, said = rehearsed([*without, "--enable-chunked-prefill", "false"])
+    assert rehearse.experiment.flag_value(argv, "--max-num-batched-tokens") == str(rehearse.MAX_MODEL_LEN)
+    assert rehearse.experiment.flag_value(argv, "--enable-chunked-prefill") == "false"

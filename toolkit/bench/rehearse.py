@@ -25,14 +25,16 @@ from typing import Any
 
 import httpx
 import yaml
+from packaging.version import Version
 
 from toolkit.bench import answers, client, experiment, sse, workloads
 from toolkit.bench.metrics import RequestRecord
 from toolkit.bench.serve import Server, free_port, port_in_use, stray_processes
 from toolkit.errors import ToolkitError
 from toolkit.inputs import cache_dir
+from toolkit.lint.context import AUTO_CHUNKED_ABOVE, chunked_prefill_effective, explicit_chunked_prefill
 from toolkit.markers import read_markers
-from toolkit.recipe import Recipe
+from toolkit.recipe import ArgValue, Recipe
 from toolkit.runtime import standins
 from toolkit.runtime.preflight import Tree, emulated_devices
 from toolkit.transforms.probe import Probe
@@ -154,16 +156,43 @@ class Rehearsal:
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # passed through from the caller
 
 
-def server_command(run_config: str, python: Path, model: Path, port: int, tp: int,
-                   rootfs: Path | None = None) -> tuple[list[str], dict[str, str], list[Substitution]]:
+def _flag_given(argv: list[str], flag: str) -> ArgValue:
+    """A flag as the recipe's args say it: its value, True for a bare switch, None when absent."""
+    if flag not in argv:
+        return None
+    return experiment.flag_value(argv, flag) or True
+
+
+def auto_chunks(tree: Tree) -> bool:
+    """Whether the tree's vLLM still turns chunked prefill on by itself above 32K (a transform may take that out:
+    then only the flag decides)."""
+    for root in tree.paths:
+        source = root / "vllm/engine/arg_utils.py"
+        if source.is_file():
+            return "Chunked prefill is enabled by default for models with" in source.read_text(encoding="utf-8")
+    return True
+
+
+def server_command(run_config: str, python: Path, model: Path, port: int, tp: int, rootfs: Path | None = None,
+                   version: str = "0.6.3", auto_chunk: bool = True
+                   ) -> tuple[list[str], dict[str, str], list[Substitution]]:
     """The run config's argv and env with the rehearsal's substitutions: this machine's Python, the tiny model,
     loopback and a free port (as `toolkit experiment` starts a variant), `tp`, lengths scaled to the tiny model, and
     each absolute path the argv names that the recipe deployed into `rootfs` (the chat template) read from there.
-    Everything else is the run config's."""
+    Chunked prefill as vLLM `version` decides it for the served argv (`auto_chunk`: the tree still turns it on
+    above 32K), said explicitly where the tiny length would not trigger it. Everything else is the run config's."""
     served = [str(item) for item in (yaml.safe_load(run_config).get("command") or [])]
     argv, env = experiment.server_command(run_config, python, model, port)
     subs = [Substitution("python3", served[0], str(python), "the CPU runtime's Python")]
-    chunked = "--enable-chunked-prefill" in argv
+    flag = "--enable-chunked-prefill"
+    max_len = experiment.flag_value(served, "--max-model-len")
+    chunked = chunked_prefill_effective(_flag_given(served, flag), int(max_len) if max_len else None,
+                                        Version(version), auto=auto_chunk)
+    if chunked and explicit_chunked_prefill(_flag_given(served, flag)) is None:
+        argv.append(flag)
+        subs.append(Substitution(flag, None, "on", f"vLLM {version} turns chunked prefill on by itself for the "
+                                 f"served --max-model-len {max_len} (> {AUTO_CHUNKED_ABOVE}); the tiny model's "
+                                 f"{MAX_MODEL_LEN} would not"))
     for flag, value, why in [
             ("--model", str(model), "the tiny model of the recipe's architecture"),
             ("--host", "127.0.0.1", "never listen beyond this machine"),
@@ -335,7 +364,8 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
         raise ToolkitError(f"port {port} is already taken on 127.0.0.1: the rehearsal's server cannot listen there",
                            hint="stop what listens there, or leave --port out (a free port is chosen)")
     tp = tp or stage.tp
-    argv, env, subs = server_command(stage.run_config, stage.python, stage.model, port, tp, stage.image)
+    argv, env, subs = server_command(stage.run_config, stage.python, stage.model, port, tp, stage.image,
+                                     stage.recipe.vendor.reference_version, auto_chunks(stage.tree))
     if prefix_caching is False:
         argv = [a for a in argv if a != "--enable-prefix-caching"]
     elif prefix_caching and "--enable-prefix-caching" not in argv:
@@ -350,18 +380,16 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
         stage.rehearsal.substitutions[:0] = subs
     record = stage.rundir / f"{name}-standins" / "standins.json"
     record.parent.mkdir(parents=True, exist_ok=True)
-    devices = dict(emulated_devices(stage.recipe), memory_gb=stage.memory_gb)
-    # this machine's thread settings stay the caller's (two servers' or a server's and a test's OpenMP threads
-    # spinning on the same cores is what made a CPU rehearsal slow), the rest is the run config's
-    threads = {name: os.environ[name] for name in THREAD_ENV if name in os.environ}
-    full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home()),
-                "TOKENIZERS_PARALLELISM": "false", **threads, **experiment.OFFLINE_ENV, **env,
-                **standins.environment(cache_dir() / "runtime", stage.recipe.base_image.gpu_library_names,
-                                       stage.tree.paths, stage.recipe.base_image.absent_modules, devices,
-                                       cpu_device=True),
-                standins.RECORD_ENV: str(record), **(extra or {})}
+    full_env, env_subs = server_environment(stage, env, record, extra or {}, name)
+    for sub in env_subs:
+        if sub not in stage.rehearsal.substitutions:
+            stage.rehearsal.substitutions.append(sub)
     log = stage.rundir / f"{name}.log"
     served_name = experiment.flag_value(argv, "--served-model-name") or str(stage.model)
+    workdir = Substitution("working directory", stage.recipe.serve.workdir or "(the image's)", "the run folder",
+                           "a neutral folder with no vllm/ in it (DESIGN 4), where the server's files are kept")
+    if workdir not in stage.rehearsal.substitutions:
+        stage.rehearsal.substitutions.append(workdir)
     server = Server(argv, full_env, cwd=stage.rundir, log_path=log, url=f"http://127.0.0.1:{port}",
                     model=served_name)
     stage.rehearsal.logs.append(str(log))
@@ -383,6 +411,54 @@ def _server(stage: Stage, name: str, prefix_caching: bool | None = None, port: i
         stopped = server.stop()
         stage.say(f"rehearse: the {name} server stopped after {stopped:.1f} s")
     _read_record(stage, record)
+
+
+# what every server's environment gets beyond the run config's, and why (each one printed as a substitution)
+ADDED_ENV = {
+    "TOKENIZERS_PARALLELISM": ("false", "the tokenizer's threads would share this machine's two cores with the ranks"),
+    **{k: (v, "no hub, no usage report: nothing leaves this machine") for k, v in experiment.OFFLINE_ENV.items()},
+}
+
+
+def server_environment(stage: Stage, env: dict[str, str], record: Path, extra: dict[str, str],
+                       name: str) -> tuple[dict[str, str], list[Substitution]]:
+    """A server's whole environment: the run config's `env`, with every variable the rehearsal sets, replaces or
+    passes through from this machine listed as a Substitution (what the run config says, what runs, why). A run
+    config's PYTHONPATH is kept after the patched tree's (each entry the image holds read from the image folder),
+    never replaced."""
+    subs: list[Substitution] = []
+
+    def put(key: str, value: str, why: str, scope: str = "") -> None:
+        out[key] = value
+        if env.get(key) != value:
+            subs.append(Substitution(f"env {key}{scope}", env.get(key), value, why))
+
+    out = dict(env)
+    put("PATH", os.environ.get("PATH", "/usr/bin:/bin"), "this machine's, passed through (the image's is not here)")
+    put("HOME", str(Path.home()), "this machine's, passed through")
+    # this machine's thread settings stay the caller's (two servers' or a server's and a test's OpenMP threads
+    # spinning on the same cores is what made a CPU rehearsal slow)
+    for key in THREAD_ENV:
+        if key in os.environ:
+            put(key, os.environ[key], "this machine's thread setting, passed through")
+    for key, (value, why) in ADDED_ENV.items():
+        put(key, value, why)
+    devices = dict(emulated_devices(stage.recipe), memory_gb=stage.memory_gb)
+    runtime = standins.environment(cache_dir() / "runtime", stage.recipe.base_image.gpu_library_names,
+                                   stage.tree.paths, stage.recipe.base_image.absent_modules, devices, cpu_device=True)
+    given = env.get("PYTHONPATH")
+    if given:
+        kept = [str(stage.image / item.lstrip("/")) if stage.image is not None and item.startswith("/")
+                and (stage.image / item.lstrip("/")).exists() else item for item in given.split(os.pathsep) if item]
+        runtime["PYTHONPATH"] = os.pathsep.join([runtime["PYTHONPATH"], *kept])
+    put("PYTHONPATH", runtime.pop("PYTHONPATH"), "the stand-ins' folder, then the patched tree"
+        + (", then the run config's own entries (those the image holds read from the image folder)" if given else ""))
+    for key, value in runtime.items():
+        put(key, value, "the CPU runtime's stand-ins of the image's GPU libraries and devices (the device shims)")
+    put(standins.RECORD_ENV, str(record), "where the stand-ins record what they loaded and computed", f" ({name})")
+    for key, value in extra.items():
+        put(key, value, "the profile check's probes on", f" ({name})")
+    return out, subs
 
 
 def refuse_unknown_checks(only: tuple[str, ...]) -> None:
@@ -493,6 +569,25 @@ def _tools_body() -> dict[str, Any]:
             "temperature": 0, "ignore_eos": True}
 
 
+def _tools(stage: Stage, server: Server, argv: list[str], reasoning: bool) -> Check:
+    """The agent's request with its 29 tool schemas answered, and the schemas in the prompt: the server's
+    prompt_tokens is the served template's rendering with the tools, which names every tool."""
+    body = _tools_body()
+    [record] = _send(stage, server, [client.Conversation("tools", body=body)], 1, "tools")
+    check = _answered("tools", record, reasoning, f", {len(workloads.TOOL_NAMES)} tool schemas with tool_choice auto")
+    rendered = render_prompt(stage.python, stage.model, argv, body["messages"], body["tools"])
+    problems = [] if check.ok else [check.detail]
+    unnamed = [t["function"]["name"] for t in body["tools"] if t["function"]["name"] not in rendered["text"]]
+    if unnamed:
+        problems.append(f"the served template's rendering names {len(body['tools']) - len(unnamed)} of "
+                        f"{len(body['tools'])} tools (not: {', '.join(unnamed[:4])})")
+    if record.ok and record.prompt_tokens != rendered["tokens"]:
+        problems.append(f"the server counted {record.prompt_tokens} prompt tokens, the served template's rendering "
+                        f"with the tools has {rendered['tokens']}: the schemas did not reach the prompt as rendered")
+    return Check("tools", not problems, "; ".join(problems) or (
+        f"{check.detail}; prompt_tokens = the served template's rendering with every tool schema"))
+
+
 def multi_system_messages() -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "Hello there."},
             {"role": "assistant", "content": "Hello."}, {"role": "system", "content": SYSTEMS[1]},
@@ -505,18 +600,20 @@ from transformers import AutoTokenizer
 request = json.loads(sys.stdin.read())
 tokenizer = AutoTokenizer.from_pretrained(request["model"])
 text = tokenizer.apply_chat_template(request["messages"], chat_template=request["template"], tokenize=False,
-                                     add_generation_prompt=True)
+                                     add_generation_prompt=True, tools=request["tools"])
 print(json.dumps({"text": text, "tokens": len(tokenizer(text, add_special_tokens=False).input_ids)}))
 """
 
 
-def render_prompt(python: Path, model: Path, argv: list[str], messages: list[dict[str, str]]) -> dict[str, Any]:
-    """The served template's rendering of `messages` with the served tokenizer, and its token count (the chat
-    template the argv names, else the tokenizer's own)."""
+def render_prompt(python: Path, model: Path, argv: list[str], messages: list[dict[str, str]],
+                  tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The served template's rendering of `messages` (and `tools`, as vLLM passes them to the template) with the
+    served tokenizer, and its token count (the chat template the argv names, else the tokenizer's own)."""
     given = experiment.flag_value(argv, "--chat-template")
     template = Path(given).read_text(encoding="utf-8") if given and Path(given).is_file() else given
     proc = subprocess.run([str(python), "-c", RENDER], input=json.dumps(
-        {"model": str(model), "messages": messages, "template": template}), capture_output=True, text=True,
+        {"model": str(model), "messages": messages, "template": template, "tools": tools}), capture_output=True,
+        text=True,
         env={**os.environ, **experiment.OFFLINE_ENV}, timeout=120)
     if proc.returncode != 0:
         raise ToolkitError("rendering the chat template failed:\n" + proc.stderr[-2000:])
@@ -835,9 +932,7 @@ def _served(stage: Stage, port: int | None, served: list[str], reasoning: bool, 
                     rehearsal.checks.append(_answered("short", short, reasoning))
 
             def tools() -> Check:
-                [record] = _send(stage, server, [client.Conversation("tools", body=_tools_body())], 1, "tools")
-                return _answered("tools", record, reasoning, f", {len(workloads.TOOL_NAMES)} tool schemas with "
-                                 "tool_choice auto")
+                return _tools(stage, server, argv, reasoning)
 
             concurrent = {"tools": tools, "multi-system": lambda: _multi_system(stage, server, argv, reasoning),
                           "parsers": lambda: _parsers(stage, server, served, reasoning)}

@@ -21,6 +21,29 @@ TRUE = {"true", "1", "yes", "on"}
 FALSE = {"false", "0", "no", "off"}
 
 
+# vLLM before 0.7 turns chunked prefill on by itself above this context (EngineArgs.create_engine_config)
+AUTO_CHUNKED_ABOVE = 32768
+
+
+def explicit_chunked_prefill(value: ArgValue) -> bool | None:
+    """--enable-chunked-prefill as vLLM's StoreBoolean reads it: True/False when set, None when left to vLLM."""
+    if value is True:
+        return True
+    if isinstance(value, str):
+        return value.lower() in TRUE if value.lower() in TRUE | FALSE else None
+    return None
+
+
+def chunked_prefill_effective(value: ArgValue, max_model_len: int | None, version: Version,
+                              auto: bool = True) -> bool:
+    """Whether vLLM chunks prefills: the flag's value when given, else (`auto`: the tree still has vLLM's rule)
+    on for a context above 32K before 0.7."""
+    explicit = explicit_chunked_prefill(value)
+    if explicit is not None:
+        return explicit
+    return bool(auto and max_model_len and max_model_len > AUTO_CHUNKED_ABOVE and version < Version("0.7"))
+
+
 @dataclass
 class LintContext:
     loaded: LoadedRecipe
@@ -88,20 +111,11 @@ class LintContext:
 
     def chunked_prefill(self) -> bool | None:
         """True/False when set explicitly, None when left to vLLM."""
-        value = self.arg("enable-chunked-prefill")
-        if value is True:
-            return True
-        if isinstance(value, str):
-            return value.lower() in TRUE if value.lower() in TRUE | FALSE else None
-        return None
+        return explicit_chunked_prefill(self.arg("enable-chunked-prefill"))
 
     def chunked_prefill_effective(self) -> bool:
-        explicit = self.chunked_prefill()
-        if explicit is not None:
-            return explicit
-        max_len = self.int_arg("max-model-len")
-        # vLLM 0.6.x turns chunked prefill on by itself for contexts above 32K
-        return bool(max_len and max_len > 32768 and self.vllm_version < Version("0.7"))
+        return chunked_prefill_effective(self.arg("enable-chunked-prefill"), self.int_arg("max-model-len"),
+                                         self.vllm_version)
 
     def max_num_batched_tokens(self) -> int | None:
         explicit = self.int_arg("max-num-batched-tokens")
