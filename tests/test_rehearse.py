@@ -595,3 +595,20 @@ def test_chunking_is_decided_as_vllm_decides_it_for_the_served_argv() -> None:
     argv, said = rehearsed([*without, "--enable-chunked-prefill", "false"])
     assert rehearse.experiment.flag_value(argv, "--max-num-batched-tokens") == str(rehearse.MAX_MODEL_LEN)
     assert rehearse.experiment.flag_value(argv, "--enable-chunked-prefill") == "false"
+
+
+def test_a_server_that_caches_with_the_cache_flag_off_fails_the_prefix_cache_check(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    """CacheConfig turns the prefix cache on whatever the flag says: the cache-off servers compare the cache with
+    itself, and only their own cached-token counts tell."""
+    recipe = recipe_copy(tmp_path / "recipe", _mutant("mutant-cache-always-on", "vllm/config.py",
+                                                       "CacheConfig.__init__", "enable_prefix_caching = True"))
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("prefix-cache",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"] and checks["cache-hits"]["ok"], checks
+    detail = checks["prefix-cache"]["detail"]
+    print(detail)
+    assert not checks["prefix-cache"]["ok"] and "the servers without --enable-prefix-caching reported cached " \
+        "tokens: " in detail, detail
+    assert stray_processes() == []

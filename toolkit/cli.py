@@ -376,9 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "sizes the KV cache from (default 0.5: that cache is this machine's memory)")
     p.add_argument("--check", action="append", metavar="NAME", help="run only this request check (repeatable): "
                    "short, tools, multi-system, parsers (tool and reasoning outputs forced by guided_regex), "
-                   "profile (the TOOLKIT_PROFILE table of the served path), prefix-cache; the start and the weights "
-                   "are checked always (with prefix-cache alone, on its cache-on server: the served server is "
-                   "not started)")
+                   "profile (the TOOLKIT_PROFILE table of the served path), prefix-cache (cache on = cache off, by "
+                   "token id), answers (the oracles: TP N = TP 1, each decoded token = a fresh prefill's next); the "
+                   "start and the weights are checked always (asked only for prefix-cache or answers, the served "
+                   "server is not started: their float32 servers are)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_rehearse)
 
