@@ -106,16 +106,27 @@ def test_an_interrupted_experiment_stops_the_server_it_started(cpu_env: tuple[Pa
                              "--model", str(model), "--port", str(port), "--requests", "20000", "--max-tokens",
                              "64", "-o", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
-    # the bench's staging folder exists from its first request until it is renamed whole at the end; 20,000
-    # requests are hours of this CPU server's work, so the interrupt lands inside the run on any machine
-    while not any(out.glob("base/.bench.partial.*")):
-        assert not (out / "base" / "bench").exists(), "the run finished before it could be interrupted"
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the server never became ready"
-        time.sleep(0.5)
-    assert port_in_use(port) and stray_processes()
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        # the bench's staging folder exists from its first request until it is renamed whole at the end; 20,000
+        # requests are hours of this CPU server's work, so the interrupt lands inside the run on any machine
+        while not any(out.glob("base/.bench.partial.*")):
+            assert not (out / "base" / "bench").exists(), "the run finished before it could be interrupted"
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.5)
+        assert port_in_use(port) and stray_processes()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        # whatever failed, hours of requests must not go on beside the rest of the suite (a run left behind once
+        # made every later server test refuse to start beside it): a second interrupt, then the end
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err
     assert stray_processes() == [] and not port_in_use(port), "the interrupt stopped its server and workers"
