@@ -20,7 +20,7 @@ from conftest import FLAGSHIP, REPO
 from test_prefix_state import without_prefix_state
 from test_preflight import recipe_copy
 
-from toolkit.bench import rehearse, workloads
+from toolkit.bench import experiment, workloads
 from toolkit.bench.serve import stray_processes
 from toolkit.cli import main
 from toolkit.commands.common import Inputs
@@ -28,6 +28,11 @@ from toolkit.commands.rehearse import RehearseRequest
 from toolkit.commands.rehearse import rehearse as rehearse_cmd
 from toolkit.engine.plan import Step
 from toolkit.recipe import load_recipe
+from toolkit.rehearsal import model, servers
+from toolkit.rehearsal.checks import REQUEST_CHECKS, parsers
+from toolkit.rehearsal.checks.prefix_cache import prefix_cache_check
+from toolkit.rehearsal.checks.profile import profile_check
+from toolkit.rehearsal.locate import locate
 from toolkit.runtime.preflight import Tree
 from toolkit.submission.render import render
 
@@ -46,12 +51,12 @@ def test_the_substitutions_are_recorded_and_nothing_else_changes(tmp_path: Path)
     run_config = render(loaded.recipe, loaded.path.name, "base").run_config
     (tmp_path / TEMPLATE.lstrip("/")).parent.mkdir(parents=True)
     (tmp_path / TEMPLATE.lstrip("/")).write_text("{{ messages }}")
-    argv, env, subs = rehearse.server_command(run_config, Path("/py"), Path("/tiny"), 8123, 2, tmp_path)
+    argv, env, subs = servers.server_command(run_config, Path("/py"), Path("/tiny"), 8123, 2, tmp_path)
     said = {s.flag: (s.served, s.rehearsed) for s in subs}
     assert said == {"python3": ("python3", "/py"), "--model": ("/model", "/tiny"), "--host": ("0.0.0.0", "127.0.0.1"),
                     "--port": ("8000", "8123"), "--tensor-parallel-size": ("4", "2"),
-                    "--max-model-len": ("245000", str(rehearse.MAX_MODEL_LEN)),
-                    "--max-num-batched-tokens": ("16384", str(rehearse.BATCH_TOKENS)),
+                    "--max-model-len": ("245000", str(model.MAX_MODEL_LEN)),
+                    "--max-num-batched-tokens": ("16384", str(model.BATCH_TOKENS)),
                     "--chat-template": (TEMPLATE, str(tmp_path / TEMPLATE.lstrip("/"))),
                     "--swap-space": (None, "0")}
     # every other item of the argv is the run config's, in its place; what it does not set comes after it
@@ -91,23 +96,23 @@ def test_a_failed_start_names_the_transform_that_wrote_each_line_of_its_tracebac
                      f'  File "{edited}", line {raise_at}, in serve', "    raise KeyError(args.parser)",
                      f'  File "{replaced}", line 7, in serve', "    raise KeyError(args.parser)",
                      "KeyError: 'qwen3_coder'"])
-    shown = rehearse.locate(log, tree, whole=frozenset({"deploy-c"})).splitlines()
+    shown = locate(log, tree, whole=frozenset({"deploy-c"})).splitlines()
     assert shown == ["KeyError: 'qwen3_coder'", "inside the patched tree:",
                      f"  vllm/edited.py:{import_at} in <module>  (written by edit-a)",
                      f"  vllm/edited.py:{top_at} in <module>  (written by edit-b)",
                      f"  vllm/edited.py:{raise_at} in serve",
                      "  vllm/replaced.py:7 in serve  (written by deploy-c)"]
     edited.write_text(second + "# changed after the plan\n")  # its steps no longer describe it: nothing credited
-    assert "written by" not in rehearse.locate(log, tree).splitlines()[2]
+    assert "written by" not in locate(log, tree).splitlines()[2]
 
 
 def test_each_forced_output_is_matched_by_its_regex_alone_and_says_what_the_client_gets() -> None:
     tools = workloads.tool_schemas()[:2]
-    cases = rehearse.forced_outputs(tools)
+    cases = parsers.forced_outputs(tools)
     texts = [c.text(True) for c in cases]
     for case, text in zip(cases, texts, strict=True):
-        assert re.fullmatch(rehearse._literal(text), text), case.name
-        assert not re.fullmatch(rehearse._literal(text), text + "x") and not re.fullmatch(rehearse._literal(text),
+        assert re.fullmatch(parsers.literal(text), text), case.name
+        assert not re.fullmatch(parsers.literal(text), text + "x") and not re.fullmatch(parsers.literal(text),
                                                                                           text[:-1])
     one, two, xml, ended, unended = texts
     assert one.startswith("The user wants the weather.</think>\n\n<tool_call>\n<function=get_weather>")
@@ -119,7 +124,7 @@ def test_each_forced_output_is_matched_by_its_regex_alone_and_says_what_the_clie
                                        "calls": [[tools[0]["function"]["name"], {"arg_0": 7, "arg_1": "Paris"}]]}
     assert cases[3].expected(False) == {"reasoning": "", "content": "The answer is 4.", "calls": []}
     assert cases[3].text(False) == "The answer is 4."
-    got = rehearse._got(" r ", "", [{"name": "f", "arguments": '{"a": 1}'}, {"name": "g", "arguments": "{oops"}])
+    got = parsers.got(" r ", "", [{"name": "f", "arguments": '{"a": 1}'}, {"name": "g", "arguments": "{oops"}])
     assert got == {"reasoning": "r", "content": "", "calls": [["f", {"a": 1}], ["g", "(not JSON) {oops"]]}
 
 
@@ -130,10 +135,10 @@ def test_a_literal_guided_regex_is_forced_as_the_tokenizers_own_ids() -> None:
 
     from toolkit.runtime.cpu_device import ForcedTokens, literal_of
 
-    for case in rehearse.forced_outputs(workloads.tool_schemas()[:2]):
+    for case in parsers.forced_outputs(workloads.tool_schemas()[:2]):
         for reasoning in (True, False):
             text = case.text(reasoning)
-            assert literal_of(rehearse._literal(text)) == text, case.name
+            assert literal_of(parsers.literal(text)) == text, case.name
     assert [literal_of(p) for p in ("a|b", "ab*", "[ab]", "a.", "(a)", "a{2}")] == [None] * 6
     assert literal_of("") == "" and literal_of("a\\.b\\n") == "a.b\n"
     forced = ForcedTokens([5, 2, 7], eos=1)
@@ -154,13 +159,13 @@ def test_the_profile_check_names_the_declared_regions_not_reached(tmp_path: Path
     recipe = load_recipe(FLAGSHIP).recipe
     declared = [t.region for t in recipe.transforms if t.kind == "probe"]
     assert "step" in declared and len(declared) > 3
-    check = rehearse.profile_check(recipe, tmp_path)
+    check = profile_check(recipe, tmp_path)
     assert not check.ok and "wrote no record" in check.detail
     _profile_record(tmp_path / "profile-7.jsonl", "decode", declared[:-1])
-    check = rehearse.profile_check(recipe, tmp_path)
+    check = profile_check(recipe, tmp_path)
     assert not check.ok and check.detail.startswith("no prefill step was profiled")
     _profile_record(tmp_path / "profile-7.jsonl", "prefill", ["step"])
-    check = rehearse.profile_check(recipe, tmp_path)
+    check = profile_check(recipe, tmp_path)
     assert check.ok, check.detail
     assert f"decode: {len(declared) - 1} of {len(declared)} declared regions" in check.detail
     assert f"prefill: 1 of {len(declared)}" in check.detail and f"not reached: {declared[-1]}" in check.detail
@@ -172,7 +177,7 @@ def test_the_help_names_every_check(capsys: pytest.CaptureFixture[str], monkeypa
     with pytest.raises(SystemExit):
         main(["rehearse", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert all(f" {name}" in shown for name in rehearse.REQUEST_CHECKS), shown
+    assert all(f" {name}" in shown for name in REQUEST_CHECKS), shown
 
 
 def _sources(adapter_args: list[str]) -> Inputs:
@@ -197,7 +202,7 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     [variant] = data["variants"]
     print(json.dumps({k: variant[k] for k in ("checks", "cache_hit_rate", "ready_s", "first_token_s")}, indent=1))
     checks = _checks(report)
-    assert f"max_completion_tokens alone limited the answer to {rehearse.MAX_TOKENS} tokens" in \
+    assert f"max_completion_tokens alone limited the answer to {model.MAX_TOKENS} tokens" in \
         checks["multi-system"]["detail"], checks["multi-system"]
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
                            "prefix-cache", "answers"}
@@ -366,7 +371,7 @@ def test_an_argparse_refusal_in_a_server_log_is_shown_as_one() -> None:
     log = ("INFO 12-04 api_server.py:528] vLLM API server version 0.6.3\n"
            "usage: api_server.py [-h] [--host HOST] [--port PORT]\n"
            "api_server.py: error: unrecognized arguments: --reasoning-parser qwen3\n")
-    shown = rehearse.locate(log, Tree([], Path("/nonexistent"), {}, "nowhere"))
+    shown = locate(log, Tree([], Path("/nonexistent"), {}, "nowhere"))
     assert shown.startswith("the server refused its argv (argparse): api_server.py: error: unrecognized arguments: "
                             "--reasoning-parser qwen3"), shown
     assert "usage: api_server.py" in shown
@@ -379,7 +384,7 @@ def test_an_in_process_engines_rank_prefixed_traceback_is_read() -> None:
            '[rank0]:   File "/x/vllm/worker/worker.py", line 502, in raise_if_cache_size_invalid\n'
            "[rank0]:     raise ValueError(\n"
            "[rank0]: ValueError: The model's max seq len (12288) is larger than the maximum number of tokens\n")
-    shown = rehearse.locate(log, Tree([], Path("/nonexistent"), {}, "nowhere"))
+    shown = locate(log, Tree([], Path("/nonexistent"), {}, "nowhere"))
     assert shown.startswith("ValueError: The model's max seq len (12288)"), shown
 
 
@@ -395,28 +400,26 @@ def _record(conversation: str, turn: int, cached: int, tokens: list[str]) -> Any
     from toolkit.bench.metrics import RequestRecord
 
     return RequestRecord(f"{conversation}-{turn}", conversation, turn, 0, 0.0, ok=True, status=200,
-                         prompt_tokens=rehearse.BATCH_TOKENS + 10, cached_tokens=cached, cache_reported=True,
-                         completion_tokens=rehearse.MAX_TOKENS,
+                         prompt_tokens=model.BATCH_TOKENS + 10, cached_tokens=cached, cache_reported=True,
+                         completion_tokens=model.MAX_TOKENS,
                          logprobs=[{"token": t, "logprob": -1.0, "top": {t: -1.0}} for t in tokens])
 
 
 def test_a_cache_off_server_that_reports_cached_tokens_fails_the_comparison() -> None:
-    tokens = [f"token_id:{i}" for i in range(rehearse.MAX_TOKENS)]
+    tokens = [f"token_id:{i}" for i in range(model.MAX_TOKENS)]
     on = [_record("c", turn, 64 * turn, tokens) for turn in range(3)]
     clean = [_record("c", turn, 0, tokens) for turn in range(3)]
-    assert rehearse._prefix_cache(on, lambda: (clean, clean)).ok
+    assert prefix_cache_check(on, clean, clean).ok
     leaky = [_record("c", turn, 32 * turn, tokens) for turn in range(3)]
-    check = rehearse._prefix_cache(on, lambda: (clean, leaky))
+    check = prefix_cache_check(on, leaky, clean)
     assert not check.ok and "the servers without --enable-prefix-caching reported cached tokens: c turn 1 (32 " \
         "cached), c turn 2 (64 cached)" in check.detail, check.detail
 
 
 def test_a_server_that_wrote_no_stand_ins_record_fails_the_weights_check(tmp_path: Path) -> None:
-    import types
-
-    stage = types.SimpleNamespace(rehearsal=rehearse.Rehearsal("base", 2, tmp_path))
-    rehearse._read_record(stage, tmp_path / "nowhere" / "standins.json")  # type: ignore[arg-type]
-    [check] = stage.rehearsal.checks
+    rehearsal = model.Rehearsal("base", 2, tmp_path)
+    servers.read_record(rehearsal, tmp_path / "nowhere" / "standins.json")
+    [check] = rehearsal.checks
     assert check.name == "weights" and not check.ok and "no stand-ins record at" in check.detail
 
 
@@ -431,7 +434,7 @@ def test_the_profile_check_alone_sends_what_it_needs(tmp_path: Path, adapter_arg
 
 def test_the_forced_calls_follow_the_served_tool_parser() -> None:
     tools = workloads.tool_schemas()[:2]
-    first = rehearse.forced_outputs(tools)[0]
+    first = parsers.forced_outputs(tools)[0]
     name = tools[0]["function"]["name"]
     assert first.text(False, "hermes") == f'<tool_call>\n{json.dumps({"name": name, "arguments": first.calls[0][1]})}' \
         "\n</tool_call>\n"
@@ -484,7 +487,7 @@ def test_a_decode_reading_the_wrong_block_fails_the_answers_against_a_fresh_pref
 
 
 def _answer(name: str, ids: list[int], tops: list[dict[int, float]] | None = None) -> Any:
-    from toolkit.bench.answers import Answer, Prompt
+    from toolkit.rehearsal.oracles import Answer, Prompt
 
     tops = tops or [{i: -0.5} for i in ids]
     return Answer(Prompt(name, (1, 2, 3)), tuple(ids), tuple(t[i] for t, i in zip(tops, ids, strict=True)),
@@ -492,7 +495,7 @@ def _answer(name: str, ids: list[int], tops: list[dict[int, float]] | None = Non
 
 
 def test_the_answers_are_read_by_id_and_a_server_naming_text_is_refused() -> None:
-    from toolkit.bench.answers import Prompt, parse_answer
+    from toolkit.rehearsal.oracles import Prompt, parse_answer
 
     payload = {"choices": [{"logprobs": {"tokens": ["token_id:5", "token_id:0"], "token_logprobs": [-0.1, -0.2],
                                          "top_logprobs": [{"token_id:5": -0.1, "token_id:9": -3.0},
@@ -506,7 +509,7 @@ def test_the_answers_are_read_by_id_and_a_server_naming_text_is_refused() -> Non
 
 
 def test_the_oracles_fail_on_a_different_token_step_over_a_near_tie_and_refuse_too_few() -> None:
-    from toolkit.bench import answers
+    from toolkit.rehearsal import oracles as answers
 
     mine = [_answer("a", [1, 2, 3, 4]), _answer("b", [5, 6, 7, 8])]
     same = answers.against_tp1(mine, [_answer("a", [1, 2, 3, 4]), _answer("b", [5, 6, 7, 8])], 1e-3, 2)
@@ -555,7 +558,7 @@ def test_every_variable_a_server_gets_beyond_the_run_configs_is_a_substitution_a
                                   tree=types.SimpleNamespace(paths=[tree]))
     env = {"PYTHONPATH": "/usr/local/corex/lib64/python3/dist-packages:/opt/not-in-the-image", "MOE_NATIVE": "1",
            "HF_HUB_OFFLINE": "0"}
-    out, subs = rehearse.server_environment(stage, env, tmp_path / "standins.json",  # type: ignore[arg-type]
+    out, subs = servers.server_environment(stage, env, tmp_path / "standins.json",  # type: ignore[arg-type]
                                             {"TOOLKIT_PROFILE": "1"}, "served")
     paths = out["PYTHONPATH"].split(":")
     assert paths[1] == str(tree) and paths[2:] == [str(image / "usr/local/corex/lib64/python3/dist-packages"),
@@ -576,7 +579,7 @@ def test_chunking_is_decided_as_vllm_decides_it_for_the_served_argv() -> None:
     config = yaml.safe_load(render(loaded.recipe, loaded.path.name, "base").run_config)
 
     def rehearsed(command: list[str], auto: bool = True) -> tuple[list[str], dict[str, Any]]:
-        argv, _, subs = rehearse.server_command(yaml.safe_dump({**config, "command": command}), Path("/py"),
+        argv, _, subs = servers.server_command(yaml.safe_dump({**config, "command": command}), Path("/py"),
                                                 Path("/tiny"), 8123, 2, auto_chunk=auto)
         return argv, {s.flag: s for s in subs}
 
@@ -586,15 +589,15 @@ def test_chunking_is_decided_as_vllm_decides_it_for_the_served_argv() -> None:
     assert "--enable-chunked-prefill" in argv and said["--enable-chunked-prefill"].served is None
     assert "turns chunked prefill on by itself for the served --max-model-len 245000" in \
         said["--enable-chunked-prefill"].why
-    assert rehearse.experiment.flag_value(argv, "--max-num-batched-tokens") == str(rehearse.BATCH_TOKENS)
+    assert experiment.flag_value(argv, "--max-num-batched-tokens") == str(model.BATCH_TOKENS)
     # a tree whose auto rule a transform took out (the adapter's): only the flag decides
     argv, said = rehearsed(without, auto=False)
     assert "--enable-chunked-prefill" not in argv and "--enable-chunked-prefill" not in said
-    assert rehearse.experiment.flag_value(argv, "--max-num-batched-tokens") == str(rehearse.MAX_MODEL_LEN)
+    assert experiment.flag_value(argv, "--max-num-batched-tokens") == str(model.MAX_MODEL_LEN)
     # a value false is read as false, not as the flag's presence
     argv, said = rehearsed([*without, "--enable-chunked-prefill", "false"])
-    assert rehearse.experiment.flag_value(argv, "--max-num-batched-tokens") == str(rehearse.MAX_MODEL_LEN)
-    assert rehearse.experiment.flag_value(argv, "--enable-chunked-prefill") == "false"
+    assert experiment.flag_value(argv, "--max-num-batched-tokens") == str(model.MAX_MODEL_LEN)
+    assert experiment.flag_value(argv, "--enable-chunked-prefill") == "false"
 
 
 def test_a_server_that_caches_with_the_cache_flag_off_fails_the_prefix_cache_check(
@@ -612,3 +615,53 @@ def test_a_server_that_caches_with_the_cache_flag_off_fails_the_prefix_cache_che
     assert not checks["prefix-cache"]["ok"] and "the servers without --enable-prefix-caching reported cached " \
         "tokens: " in detail, detail
     assert stray_processes() == []
+
+
+def _split_think(model: Path, out: Path) -> Path:
+    """A copy of the tiny checkpoint whose tokenizer no longer makes `</think>` one token from text (it stays in the
+    vocabulary, so a parser still finds its id): the text is byte-level pieces, as a tokenizer that lost the
+    family's added token would give."""
+    shutil.copytree(model, out)
+    path = out / "tokenizer.json"
+    data = json.loads(path.read_text())
+    [added] = [t for t in data["added_tokens"] if t["content"] == "</think>"]
+    data["added_tokens"].remove(added)
+    data["model"]["vocab"]["</think>"] = added["id"]
+    path.write_text(json.dumps(data))
+    for name in ("tokenizer_config.json",):
+        config = json.loads((out / name).read_text())
+        config.get("added_tokens_decoder", {}).pop(str(added["id"]), None)
+        (out / name).write_text(json.dumps(config))
+    return out
+
+
+def test_a_tokenizer_that_splits_the_end_of_reasoning_fails_the_streamed_parsers(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    """The pinned streaming reasoning parser finds the end of reasoning by its id: with `</think>` reaching it as
+    pieces, every streamed case keeps its answer in the reasoning (as on the platform with such a tokenizer), while
+    the whole answers, split by text, still pass."""
+    from toolkit.inputs import cache_dir
+    from toolkit.runtime import tiny_model
+    from toolkit.runtime.env import runtime
+
+    spec = tiny_model.tiny_spec(load_recipe(FLAGSHIP).recipe.model, 1, served_tp=4)
+    model = _split_think(tiny_model.build(spec, runtime(), cache_dir() / "tiny-models"), tmp_path / "split-model")
+    report = rehearse_cmd(RehearseRequest(FLAGSHIP, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("parsers",), model=model))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"], checks
+    detail = checks["parsers"]["detail"]
+    print(detail)
+    assert not checks["parsers"]["ok"] and "reasoning ending in </think>, streamed: got" in detail, detail
+    assert ", not streamed: got" not in detail, detail
+    [variant] = report.as_json()["variants"]
+    assert any(s["flag"] == "--model" and s["rehearsed"] == str(model) for s in variant["substitutions"])
+    assert stray_processes() == []
+
+
+def test_a_model_folder_without_a_config_is_refused_before_anything_starts(
+        tmp_path: Path, adapter_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["rehearse", str(FLAGSHIP), *adapter_args, "--model", str(tmp_path), "-o", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--model {tmp_path}: no config.json there" in err, err
+    assert not (tmp_path / "run").exists()

@@ -158,7 +158,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return _show(rehearse_cmd.rehearse(rehearse_cmd.RehearseRequest(
         Path(args.recipe), _inputs(args), args.variant, args.all_variants, _path(args.rootfs),
         _path(args.model_config), args.tp, _path(args.output), args.port, args.device_memory_gb,
-        checks=tuple(args.check or ()), apply_to_rootfs=args.apply_to_copy)), args)
+        checks=tuple(args.check or ()), apply_to_rootfs=args.apply_to_copy, model=_path(args.model))), args)
 
 
 def _load(args: argparse.Namespace) -> bench_cmd.Load:
@@ -369,17 +369,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="RUNDIR", help="where the server logs and records go (a new or empty "
                    "folder; default: a new temporary folder, kept and named in the report)")
     p.add_argument("--port", type=int, metavar="N", help="the server's port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--model", metavar="DIR", help="a checkpoint folder to serve instead of the tiny model built "
+                   "from the recipe (a tiny model of your own: another tokenizer, other weights; it is only read)")
     p.add_argument("--apply-to-copy", action="store_true", help="with --rootfs: the roots there are the image's as "
                    "they are; the recipe is applied to a copy of them (as preflight --rootfs does), not required "
                    "to be applied there already")
     p.add_argument("--device-memory-gb", type=float, metavar="GB", help="the emulated card's memory the vendor "
                    "sizes the KV cache from (default 0.5: that cache is this machine's memory)")
-    p.add_argument("--check", action="append", metavar="NAME", help="run only this request check (repeatable): "
-                   "short, tools, multi-system, parsers (tool and reasoning outputs forced by guided_regex), "
-                   "profile (the TOOLKIT_PROFILE table of the served path), prefix-cache (cache on = cache off, by "
-                   "token id), answers (the oracles: TP N = TP 1, each decoded token = a fresh prefill's next); the "
-                   "start and the weights are checked always (asked only for prefix-cache or answers, the served "
-                   "server is not started: their float32 servers are)")
+    from toolkit.rehearsal.checks import CHECKS
+
+    p.add_argument("--check", action="append", metavar="NAME", help="run only this check (repeatable): " + "; ".join(
+        f"{name} ({kind.summary})" for name, kind in CHECKS.items()) + "; the start and the weights are checked "
+        "always (asked only for checks of the comparison servers, the served server is not started)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_rehearse)
 

@@ -1,4 +1,4 @@
-"""rehearse: the submission's own server command answers the official requests on a CPU (toolkit/bench/rehearse.py)."""
+"""rehearse: the submission's own server command answers the official requests on a CPU (toolkit/rehearsal/)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from toolkit.results import Finding, Report
 from toolkit.runtime.preflight import Tree
 
 if TYPE_CHECKING:
-    from toolkit.bench.rehearse import Rehearsal
+    from toolkit.rehearsal import Rehearsal
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class RehearseRequest:
     only: tuple[str, ...] = ()  # of the chosen variants, these (build --rehearse: those it wrote)
     checks: tuple[str, ...] = ()  # of the request checks, these (default: all; the start and weights always)
     apply_to_rootfs: bool = False  # the rootfs holds the image's roots as they are: the recipe is applied to a copy
+    model: Path | None = None  # a checkpoint folder served instead of the tiny model built from the recipe
 
 
 def _served_tp(loaded: LoadedRecipe) -> int | None:
@@ -104,7 +105,7 @@ def refuse_unapplied(loaded: LoadedRecipe, found: dict[str, Path], request: Rehe
 
 def rehearse(request: RehearseRequest) -> Report:
     """Exit 0 only when every check of every variant holds."""
-    from toolkit.bench import rehearse as bench_rehearse
+    from toolkit import rehearsal
     from toolkit.bench.serve import port_in_use
     from toolkit.inputs import cache_dir
     from toolkit.runtime import preflight as runtime_preflight
@@ -112,11 +113,14 @@ def rehearse(request: RehearseRequest) -> Report:
     from toolkit.runtime.env import runtime
     from toolkit.submission.render import render
 
-    bench_rehearse.refuse_unknown_checks(request.checks)
+    rehearsal.refuse_unknown_checks(request.checks)
     loaded, found = pinned(load_recipe(request.recipe), request.inputs)
     variants = [v for v in chosen_variants(loaded, request.variant, request.all_variants)
                 if not request.only or v.name in request.only]
-    if loaded.recipe.model is None and request.model_config is None:
+    if request.model is not None and not (request.model / "config.json").is_file():
+        raise ToolkitError(f"--model {request.model}: no config.json there; a checkpoint folder is expected",
+                           hint="leave --model out to rehearse with the tiny model built from the recipe")
+    if loaded.recipe.model is None and request.model_config is None and request.model is None:
         raise ToolkitError("rehearse needs the served model's shape for its tiny model",
                            hint="add a `model:` section to the recipe, or pass --model-config DIR")
     refuse_unapplied(loaded, found, request)
@@ -128,8 +132,11 @@ def rehearse(request: RehearseRequest) -> Report:
     rundir = _rundir(request)
     python = runtime()
     started = time.monotonic()
-    spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config, served_tp)
-    model = tiny_model.build(spec, python, cache_dir() / "tiny-models")
+    if request.model is not None:
+        model = request.model
+    else:
+        spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config, served_tp)
+        model = tiny_model.build(spec, python, cache_dir() / "tiny-models")
     rehearsals = []
     with tempfile.TemporaryDirectory(prefix="toolkit-rehearse-tree-") as tmp:
         work = Path(tmp)
@@ -151,9 +158,9 @@ def rehearse(request: RehearseRequest) -> Report:
             name = variant.name
             recipe = variant.apply(loaded.recipe)
             run_config = request.run_configs.get(name) or render(recipe, loaded.path.name, name).run_config
-            rehearsals.append(bench_rehearse.rehearse(
+            rehearsals.append(rehearsal.rehearse(
                 recipe, name, run_config, tree, python, model, tp, rundir / name, image=image,
-                memory_gb=request.memory_gb or bench_rehearse.DEVICE_MEMORY_GB, port=request.port,
+                memory_gb=request.memory_gb or rehearsal.DEVICE_MEMORY_GB, port=request.port,
                 only=request.checks))
     return report(loaded, rehearsals, tree.where, time.monotonic() - started)
 
