@@ -411,7 +411,7 @@ def test_a_cache_off_server_that_reports_cached_tokens_fails_the_comparison() ->
     clean = [_record("c", turn, 0, tokens) for turn in range(3)]
     assert prefix_cache_check(on, clean, clean).ok
     leaky = [_record("c", turn, 32 * turn, tokens) for turn in range(3)]
-    check = prefix_cache_check(on, leaky, clean)
+    check = prefix_cache_check(on, clean, leaky)
     assert not check.ok and "the servers without --enable-prefix-caching reported cached tokens: c turn 1 (32 " \
         "cached), c turn 2 (64 cached)" in check.detail, check.detail
 
@@ -607,7 +607,7 @@ def test_a_server_that_caches_with_the_cache_flag_off_fails_the_prefix_cache_che
     recipe = recipe_copy(tmp_path / "recipe", _mutant("mutant-cache-always-on", "vllm/config.py",
                                                        "CacheConfig.__init__", "enable_prefix_caching = True"))
     report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
-                                          checks=("prefix-cache",)))
+                                          checks=("prefix-cache", "cache-hits")))
     checks = _checks(report)
     assert report.exit_code == 1 and checks["start"]["ok"] and checks["cache-hits"]["ok"], checks
     detail = checks["prefix-cache"]["detail"]

@@ -133,7 +133,7 @@ def rehearse(request: RehearseRequest) -> Report:
     python = runtime()
     started = time.monotonic()
     if request.model is not None:
-        model = request.model
+        model = request.model.resolve()  # the servers run in the run folder: a relative path would not reach it
     else:
         spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config, served_tp)
         model = tiny_model.build(spec, python, cache_dir() / "tiny-models")

@@ -74,18 +74,23 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
         else:
             results.append(not_applicable(name, why))
     broken: dict[str, str] = {}
-    for index, name in enumerate(n for n in SERVERS if any(n in c.needs() for c in active)):
-        spec = SERVERS[name]
+    started = 0
+    for name, spec in SERVERS.items():
+        # asked now, not up front: what a check needs may follow from what an earlier server answered
         users = [c for c in active if name in c.needs() and c.name not in broken]
+        # the start and the weights are checked always: with every asked check not applicable, on the served server
+        if not users and not (name == "served" and not active):
+            continue
         extra = {key: value for check in users for key, value in check.env(name).items()}
         try:
             # the first server to start is the one on --port, if given
-            with start(stage, spec, port=port if index == 0 else None, extra=extra) as live:
-                if index == 0:
+            with start(stage, spec, port=port if not started else None, extra=extra) as live:
+                if not started:
                     rehearsal.checks.append(_start_check(stage, spec))
+                started += 1
                 _hand(name, live, users)
         except StartFailed as failed:
-            if index == 0:
+            if not started:
                 rehearsal.checks.append(Check("start", False, f"the {spec.label} did not start: {failed}"))
                 return rehearsal
             broken.update((c.name, f"the {spec.label} did not start: {failed}") for c in users)

@@ -122,13 +122,3 @@ def render_prompt(python: Path, model: Path, argv: list[str], messages: list[dic
         raise ToolkitError("rendering the chat template failed:\n" + proc.stderr[-2000:])
     result: dict[str, Any] = json.loads(proc.stdout)
     return result
-
-
-def conversations() -> list[client.Conversation]:
-    """Two conversations of three turns, each prompt longer than the batch-token budget (chunked prefill beside
-    the other's decodes), the later turns repeating the earlier ones' blocks."""
-    return [client.Conversation(f"conversation-{k}", [
-        client.Turn(f"Turn {t} of conversation {k}: what does the cache keep now?") for t in range(3)],
-        system=f"Conversation {k}. {LONG_SYSTEM}") for k in range(2)]
-
-

@@ -99,14 +99,16 @@ class Answers(RehearsalCheck):
         self.theirs: list[oracles.Answer] | None = None
 
     def needs(self) -> tuple[str, ...]:
-        return ("cache-off", "tp1") if self.run.stage.tp > 1 else ("cache-off",)
+        # the TP 1 reference only where there is another rank count, and only for answers that were read (a failure
+        # is reported as it is, not hidden behind another start)
+        if self.run.stage.tp > 1 and not any(a.error for a in self.mine):
+            return ("cache-off", "tp1")
+        return ("cache-off",)
 
     def on(self, server: str, live: Live) -> None:
         stage, tp = self.run.stage, self.run.stage.tp
         if server == "tp1":
-            # the reference run only for answers that were read (a failure is reported as it is)
-            self.theirs = (_answer(stage, live, "answers, TP 1", self.prompts, ANSWER_TOKENS)
-                           if not any(a.error for a in self.mine) else None)
+            self.theirs = _answer(stage, live, "answers, TP 1", self.prompts, ANSWER_TOKENS)
             return
         self.prompts = _tokenized(live)
         self.mine = _answer(stage, live, f"answers, TP {tp}", self.prompts, ANSWER_TOKENS)
@@ -119,4 +121,6 @@ class Answers(RehearsalCheck):
             at += len(group)
 
     def verdict(self) -> Check:
+        if not self.mine:
+            return self.unsent()
         return answers_check(self.run.stage.tp, self.mine, self.nexts, self.theirs)

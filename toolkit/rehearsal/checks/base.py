@@ -63,3 +63,8 @@ class RehearsalCheck:
 
     def verdict(self) -> Check:
         raise NotImplementedError
+
+    def unsent(self) -> Check:
+        """The verdict of a check whose requests never went out (no server it needs answered them)."""
+        return Check(self.name, False, f"its requests were not sent: no server it needs ({', '.join(self.needs())}) "
+                     "answered them")

@@ -4,7 +4,7 @@ the hit rate as the evaluator computes it (cached over prompt tokens)."""
 from __future__ import annotations
 
 from toolkit.bench.metrics import RequestRecord
-from toolkit.rehearsal.checks.base import RehearsalCheck
+from toolkit.rehearsal.checks.base import RehearsalCheck, Run
 from toolkit.rehearsal.checks.prefix_cache import NOT_CACHED, cached_run
 from toolkit.rehearsal.model import Check, Rehearsal
 from toolkit.rehearsal.servers import Live
@@ -31,6 +31,10 @@ class CacheHits(RehearsalCheck):
     def not_applicable(self) -> str | None:
         return None if self.run.caching else NOT_CACHED
 
+    def __init__(self, run: Run) -> None:
+        super().__init__(run)
+        self.cached: list[RequestRecord] | None = None
+
     def needs(self) -> tuple[str, ...]:
         return ("cache-on",)
 
@@ -38,4 +42,4 @@ class CacheHits(RehearsalCheck):
         self.cached = cached_run(self.run, live)
 
     def verdict(self) -> Check:
-        return cache_hits_check(self.run.stage.rehearsal, self.cached)
+        return cache_hits_check(self.run.stage.rehearsal, self.cached) if self.cached is not None else self.unsent()

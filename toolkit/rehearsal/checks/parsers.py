@@ -16,7 +16,7 @@ import httpx
 from toolkit.bench import client, experiment, sse, workloads
 from toolkit.bench.metrics import RequestRecord
 from toolkit.bench.serve import Server
-from toolkit.rehearsal.checks.base import RehearsalCheck
+from toolkit.rehearsal.checks.base import RehearsalCheck, Run
 from toolkit.rehearsal.model import Check, Substitution
 from toolkit.rehearsal.requests import kept, streamed
 from toolkit.rehearsal.servers import Live, Stage
@@ -134,6 +134,10 @@ class Parsers(RehearsalCheck):
             return "the run config serves neither a tool parser nor a reasoning parser"
         return None
 
+    def __init__(self, run: Run) -> None:
+        super().__init__(run)
+        self.result: Check | None = None
+
     def needs(self) -> tuple[str, ...]:
         return ("served",)
 
@@ -187,4 +191,4 @@ class Parsers(RehearsalCheck):
             f"streamed and not: the {parsers} split them as the client expects{skipped}"))
 
     def verdict(self) -> Check:
-        return self.result
+        return self.result or self.unsent()

@@ -105,6 +105,12 @@ class PrefixCache(RehearsalCheck):
     def not_applicable(self) -> str | None:
         return None if self.run.caching else NOT_CACHED
 
+    def __init__(self, run: Run) -> None:
+        super().__init__(run)
+        self.cached: list[RequestRecord] | None = None
+        self.alone: list[RequestRecord] | None = None
+        self.together: list[RequestRecord] | None = None
+
     def needs(self) -> tuple[str, ...]:
         return ("cache-on", "cache-off")
 
@@ -113,9 +119,10 @@ class PrefixCache(RehearsalCheck):
             self.cached = cached_run(self.run, live)
             return
         stage = self.run.stage
-        self.alone, self.together = (send(stage, live.server, conversations(), concurrency, label, stream=False)
-                                     for concurrency, label in ((1, "cache off, one at a time"),
-                                                                (2, "cache off, two at a time")))
+        self.alone = send(stage, live.server, conversations(), 1, "cache off, one at a time", stream=False)
+        self.together = send(stage, live.server, conversations(), 2, "cache off, two at a time", stream=False)
 
     def verdict(self) -> Check:
+        if self.cached is None or self.alone is None or self.together is None:
+            return self.unsent()
         return prefix_cache_check(self.cached, self.alone, self.together)

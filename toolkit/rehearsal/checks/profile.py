@@ -58,7 +58,7 @@ class Profile(RehearsalCheck):
         return ("served",)
 
     def env(self, server: str) -> dict[str, str]:
-        return {**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(self.folder)}
+        return {**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(self.folder)} if server == "served" else {}
 
     def on(self, server: str, live: Live) -> None:
         short_request(self.run, live)  # the table needs a prefill and decode steps to hold

@@ -26,6 +26,10 @@ class Short(RehearsalCheck):
     name = "short"
     summary = "a one-line question, streamed"
 
+    def __init__(self, run: Run) -> None:
+        super().__init__(run)
+        self.record: RequestRecord | None = None
+
     def needs(self) -> tuple[str, ...]:
         return ("served",)
 
@@ -33,4 +37,4 @@ class Short(RehearsalCheck):
         self.record = short_request(self.run, live)
 
     def verdict(self) -> Check:
-        return answered("short", self.record, self.run.reasoning)
+        return answered("short", self.record, self.run.reasoning) if self.record else self.unsent()

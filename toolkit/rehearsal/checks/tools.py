@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.bench import client, workloads
-from toolkit.rehearsal.checks.base import RehearsalCheck
+from toolkit.rehearsal.checks.base import RehearsalCheck, Run
 from toolkit.rehearsal.model import Check
 from toolkit.rehearsal.requests import answered, render_prompt, send, tools_body
 from toolkit.rehearsal.servers import Live
@@ -17,6 +17,10 @@ class Tools(RehearsalCheck):
     name = "tools"
     summary = "29 tool schemas, tool_choice auto; the schemas in the prompt"
     concurrent = True
+
+    def __init__(self, run: Run) -> None:
+        super().__init__(run)
+        self.result: Check | None = None
 
     def needs(self) -> tuple[str, ...]:
         return ("served",)
@@ -41,4 +45,4 @@ class Tools(RehearsalCheck):
             f"{check.detail}; prompt_tokens = the served template's rendering with every tool schema"))
 
     def verdict(self) -> Check:
-        return self.result
+        return self.result or self.unsent()
