@@ -20,11 +20,12 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("submission", ("toolkit.submission",)),
     ("runtime", ("toolkit.runtime",)),
     ("bench", ("toolkit.bench",)),
+    ("rehearsal", ("toolkit.rehearsal",)),
     ("commands", ("toolkit.commands", "toolkit.api")),
     ("cli", ("toolkit.report", "toolkit.cli", "toolkit.entry", "toolkit.testing", "toolkit.__main__")),
 ]
 PACKAGES = ("toolkit.transforms", "toolkit.engine", "toolkit.lint", "toolkit.submission", "toolkit.runtime",
-            "toolkit.bench", "toolkit.commands")
+            "toolkit.bench", "toolkit.rehearsal", "toolkit.commands")
 
 
 def stage_of(module: str) -> int:

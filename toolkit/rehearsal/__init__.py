@@ -13,6 +13,11 @@ applicable, with its reason.
 - `oracles`: the comparisons on token ids the `answers` check makes.
 - `orchestrator`: starts each needed server once and hands it to every check that needs it.
 - `locate`: where a failed start or request failed, in the patched tree.
+
+It comes after the bench (its client, server and experiment helpers) and the runtime (the CPU runtime, the stand-ins,
+the patched tree) and may import them and every earlier stage (lint's reading of the argv among them); only the
+commands and the CLI import it. Inside it, a check imports the model, servers, requests and oracles, never the
+package itself or the orchestrator.
 """
 
 from __future__ import annotations

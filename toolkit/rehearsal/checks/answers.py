@@ -8,10 +8,19 @@ from typing import Any
 
 import httpx
 
-from toolkit.rehearsal import oracles
 from toolkit.rehearsal.checks.base import RehearsalCheck, Run
 from toolkit.rehearsal.checks.prefix_cache import conversations
 from toolkit.rehearsal.model import COMPARED_DTYPE, TIE_NATS, TOP_LOGPROBS, Check
+from toolkit.rehearsal.oracles import (
+    Answer,
+    Comparison,
+    Prompt,
+    against_prefill,
+    against_tp1,
+    answers,
+    prefill_prompts,
+    tokenize,
+)
 from toolkit.rehearsal.requests import multi_system_messages
 from toolkit.rehearsal.servers import Live, Stage
 
@@ -29,29 +38,29 @@ def answer_messages() -> list[tuple[str, list[dict[str, Any]]]]:
     return [*firsts, ("multi-system", multi_system_messages())]
 
 
-def _answer(stage: Stage, live: Live, label: str, prompts: list[oracles.Prompt],
-            max_tokens: int) -> list[oracles.Answer]:
+def _answer(stage: Stage, live: Live, label: str, prompts: list[Prompt],
+            max_tokens: int) -> list[Answer]:
     """The prompts' greedy answers on `live`, kept in the report's requests; a 5xx carries the server's error."""
-    got = oracles.answers(live.server.url, live.server.model, prompts, max_tokens, TOP_LOGPROBS)
+    got = answers(live.server.url, live.server.model, prompts, max_tokens, TOP_LOGPROBS)
     if any(a.error and a.error.startswith("HTTP 5") for a in got):
         cause = stage.server_error(live.server)
-        got = [oracles.Answer(a.prompt, error=f"{a.error}; the server's log: {cause}") if a.error else a for a in got]
+        got = [Answer(a.prompt, error=f"{a.error}; the server's log: {cause}") if a.error else a for a in got]
     stage.rehearsal.requests.extend({"sent": label, "conversation": a.prompt.name, "prompt_tokens": len(a.prompt.ids),
                                      "ok": a.error is None, "message": a.error, "token_ids": list(a.ids)} for a in got)
     return got
 
 
-def _tokenized(live: Live) -> list[oracles.Prompt]:
-    async def run() -> list[oracles.Prompt]:
+def _tokenized(live: Live) -> list[Prompt]:
+    async def run() -> list[Prompt]:
         async with httpx.AsyncClient(timeout=120) as http:
-            return [oracles.Prompt(name, tuple(await oracles.tokenize(http, live.server.url, live.server.model,
+            return [Prompt(name, tuple(await tokenize(http, live.server.url, live.server.model,
                                                                       messages)))
                     for name, messages in answer_messages()]
     return asyncio.run(run())
 
 
-def answers_check(tp: int, mine: list[oracles.Answer], nexts: list[list[oracles.Answer]],
-                  theirs: list[oracles.Answer] | None) -> Check:
+def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]],
+                  theirs: list[Answer] | None) -> Check:
     """The oracles' verdict: TP N against TP 1 (when TP N > 1), every decoded token against a fresh prefill."""
     problems: list[str] = []
     noted: list[str] = []
@@ -60,7 +69,7 @@ def answers_check(tp: int, mine: list[oracles.Answer], nexts: list[list[oracles.
     if failed:
         return Check("answers", False, "the answers could not be read: " + "; ".join(failed))
     if theirs is not None:
-        tp1 = oracles.against_tp1(mine, theirs, TIE_NATS, tp)
+        tp1 = against_tp1(mine, theirs, TIE_NATS, tp)
         if found := tp1.problems(MIN_COMPARED, f"of TP {tp} against TP 1"):
             problems.append(f"TP {tp} differs from TP 1: {'; '.join(found)}")
         if tp1.ties:
@@ -68,9 +77,9 @@ def answers_check(tp: int, mine: list[oracles.Answer], nexts: list[list[oracles.
         said.append(f"{tp1.compared} tokens of {len(mine)} answers at TP {tp} equal TP 1's")
     else:
         said.append("TP 1 is the rehearsed size: no answer of another rank count to compare with")
-    prefill = oracles.Comparison()
+    prefill = Comparison()
     for answer, following in zip(mine, nexts, strict=True):
-        one = oracles.against_prefill(answer, following, TIE_NATS)
+        one = against_prefill(answer, following, TIE_NATS)
         prefill.differ += one.differ
         prefill.ties += one.ties
         prefill.compared += one.compared
@@ -93,10 +102,10 @@ class Answers(RehearsalCheck):
 
     def __init__(self, run: Run) -> None:
         super().__init__(run)
-        self.prompts: list[oracles.Prompt] = []
-        self.mine: list[oracles.Answer] = []
-        self.nexts: list[list[oracles.Answer]] = []
-        self.theirs: list[oracles.Answer] | None = None
+        self.prompts: list[Prompt] = []
+        self.mine: list[Answer] = []
+        self.nexts: list[list[Answer]] = []
+        self.theirs: list[Answer] | None = None
 
     def needs(self) -> tuple[str, ...]:
         # the TP 1 reference only where there is another rank count, and only for answers that were read (a failure
@@ -112,7 +121,7 @@ class Answers(RehearsalCheck):
             return
         self.prompts = _tokenized(live)
         self.mine = _answer(stage, live, f"answers, TP {tp}", self.prompts, ANSWER_TOKENS)
-        following = [oracles.prefill_prompts(a) for a in self.mine]
+        following = [prefill_prompts(a) for a in self.mine]
         flat = _answer(stage, live, f"answers, TP {tp}: one token after a fresh prefill",
                        [p for group in following for p in group], 1)
         self.nexts, at = [], 0
