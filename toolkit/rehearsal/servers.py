@@ -109,10 +109,10 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
     argv, env = experiment.server_command(run_config, python, model, port)
     subs = [Substitution("python3", served[0], str(python), "the CPU runtime's Python")]
     flag = "--enable-chunked-prefill"
+    given = _flag_given(served, flag)
     max_len = experiment.flag_value(served, "--max-model-len")
-    chunked = chunked_prefill_effective(_flag_given(served, flag), int(max_len) if max_len else None,
-                                        Version(version), auto=auto_chunk)
-    if chunked and explicit_chunked_prefill(_flag_given(served, flag)) is None:
+    chunked = chunked_prefill_effective(given, int(max_len) if max_len else None, Version(version), auto=auto_chunk)
+    if chunked and explicit_chunked_prefill(given) is None:
         argv.append(flag)
         subs.append(Substitution(flag, None, "on", f"vLLM {version} turns chunked prefill on by itself for the "
                                  f"served --max-model-len {max_len} (> {AUTO_CHUNKED_ABOVE}); the tiny model's "

@@ -99,6 +99,7 @@ def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]],
 class Answers(RehearsalCheck):
     name = "answers"
     summary = "the oracles: TP N = TP 1, each decoded token = a fresh prefill's next"
+    servers = ("cache-off",)
 
     def __init__(self, run: Run) -> None:
         super().__init__(run)
@@ -111,8 +112,8 @@ class Answers(RehearsalCheck):
         # the TP 1 reference only where there is another rank count, and only for answers that were read (a failure
         # is reported as it is, not hidden behind another start)
         if self.run.stage.tp > 1 and not any(a.error for a in self.mine):
-            return ("cache-off", "tp1")
-        return ("cache-off",)
+            return (*self.servers, "tp1")
+        return self.servers
 
     def on(self, server: str, live: Live) -> None:
         stage, tp = self.run.stage, self.run.stage.tp

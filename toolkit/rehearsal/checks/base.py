@@ -43,16 +43,20 @@ class RehearsalCheck:
     name: ClassVar[str]
     summary: ClassVar[str]  # what it checks, in a few words (--help)
     concurrent: ClassVar[bool] = False  # its requests may go beside the other concurrent checks' (batched steps)
+    servers: ClassVar[tuple[str, ...]]  # the servers it needs (of servers.SERVERS)
 
     def __init__(self, run: Run) -> None:
         self.run = run
+        self.result: Check | None = None  # what `on` found, for a check whose verdict is made there
 
     def not_applicable(self) -> str | None:
         """Why nothing of the run config is there for this check to look at (None: it applies)."""
         return None
 
     def needs(self) -> tuple[str, ...]:
-        raise NotImplementedError
+        """The servers it needs, asked again before each server starts (what an earlier one answered may change
+        it)."""
+        return self.servers
 
     def env(self, server: str) -> dict[str, str]:
         """More env for `server` (the served server's probes, for the profile)."""
@@ -62,7 +66,7 @@ class RehearsalCheck:
         raise NotImplementedError
 
     def verdict(self) -> Check:
-        raise NotImplementedError
+        return self.result or self.unsent()
 
     def unsent(self) -> Check:
         """The verdict of a check whose requests never went out (no server it needs answered them)."""

@@ -27,6 +27,7 @@ def cache_hits_check(rehearsal: Rehearsal, cached: list[RequestRecord]) -> Check
 class CacheHits(RehearsalCheck):
     name = "cache-hits"
     summary = "every later turn hits the cache; the hit rate"
+    servers = ("cache-on",)
 
     def not_applicable(self) -> str | None:
         return None if self.run.caching else NOT_CACHED
@@ -34,9 +35,6 @@ class CacheHits(RehearsalCheck):
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.cached: list[RequestRecord] | None = None
-
-    def needs(self) -> tuple[str, ...]:
-        return ("cache-on",)
 
     def on(self, server: str, live: Live) -> None:
         self.cached = cached_run(self.run, live)

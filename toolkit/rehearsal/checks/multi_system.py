@@ -4,7 +4,7 @@ max_completion_tokens alone, as current OpenAI clients send it."""
 from __future__ import annotations
 
 from toolkit.bench import client
-from toolkit.rehearsal.checks.base import RehearsalCheck, Run
+from toolkit.rehearsal.checks.base import RehearsalCheck
 from toolkit.rehearsal.model import MAX_TOKENS, Check
 from toolkit.rehearsal.requests import SYSTEMS, multi_system_messages, problems, render_prompt, send
 from toolkit.rehearsal.servers import Live
@@ -14,13 +14,8 @@ class MultiSystem(RehearsalCheck):
     name = "multi-system"
     summary = "three system messages, two after user turns; max_completion_tokens alone"
     concurrent = True
+    servers = ("served",)
 
-    def __init__(self, run: Run) -> None:
-        super().__init__(run)
-        self.result: Check | None = None
-
-    def needs(self) -> tuple[str, ...]:
-        return ("served",)
 
     def on(self, server: str, live: Live) -> None:
         stage = self.run.stage
@@ -39,6 +34,3 @@ class MultiSystem(RehearsalCheck):
             f"{len(SYSTEMS)} system messages (two after user turns) accepted, max_completion_tokens alone limited "
             f"the answer to {record.completion_tokens} tokens; "
             f"prompt_tokens {record.prompt_tokens} = the rendering's, which holds every system message"))
-
-    def verdict(self) -> Check:
-        return self.result or self.unsent()

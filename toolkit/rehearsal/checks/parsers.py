@@ -16,7 +16,7 @@ import httpx
 from toolkit.bench import client, experiment, sse, workloads
 from toolkit.bench.metrics import RequestRecord
 from toolkit.bench.serve import Server
-from toolkit.rehearsal.checks.base import RehearsalCheck, Run
+from toolkit.rehearsal.checks.base import RehearsalCheck
 from toolkit.rehearsal.model import Check, Substitution
 from toolkit.rehearsal.requests import kept, streamed
 from toolkit.rehearsal.servers import Live, Stage
@@ -128,18 +128,13 @@ class Parsers(RehearsalCheck):
     name = "parsers"
     summary = "tool and reasoning outputs forced as the family's token ids, parsed streamed and not"
     concurrent = True
+    servers = ("served",)
 
     def not_applicable(self) -> str | None:
         if not self.run.reasoning and not self.run.tool_parser:
             return "the run config serves neither a tool parser nor a reasoning parser"
         return None
 
-    def __init__(self, run: Run) -> None:
-        super().__init__(run)
-        self.result: Check | None = None
-
-    def needs(self) -> tuple[str, ...]:
-        return ("served",)
 
     def on(self, server: str, live: Live) -> None:
         stage, reasoning_on, tool_parser = self.run.stage, self.run.reasoning, self.run.tool_parser
@@ -189,6 +184,3 @@ class Parsers(RehearsalCheck):
         self.result = Check("parsers", not problems, "; ".join(problems) or (
             f"{len(cases)} outputs forced as the served tokenizer's ids ({', '.join(c.name for c in cases)}), "
             f"streamed and not: the {parsers} split them as the client expects{skipped}"))
-
-    def verdict(self) -> Check:
-        return self.result or self.unsent()

@@ -101,6 +101,7 @@ def prefix_cache_check(cached: list[RequestRecord], alone: list[RequestRecord],
 class PrefixCache(RehearsalCheck):
     name = "prefix-cache"
     summary = "cache on = cache off, one and two at a time, by token id"
+    servers = ("cache-on", "cache-off")
 
     def not_applicable(self) -> str | None:
         return None if self.run.caching else NOT_CACHED
@@ -110,9 +111,6 @@ class PrefixCache(RehearsalCheck):
         self.cached: list[RequestRecord] | None = None
         self.alone: list[RequestRecord] | None = None
         self.together: list[RequestRecord] | None = None
-
-    def needs(self) -> tuple[str, ...]:
-        return ("cache-on", "cache-off")
 
     def on(self, server: str, live: Live) -> None:
         if server == "cache-on":

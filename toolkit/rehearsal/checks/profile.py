@@ -46,6 +46,7 @@ def profile_check(recipe: Recipe, folder: Path) -> Check:
 class Profile(RehearsalCheck):
     name = "profile"
     summary = "the TOOLKIT_PROFILE table of the served path"
+    servers = ("served",)
 
     @property
     def folder(self) -> Path:
@@ -53,9 +54,6 @@ class Profile(RehearsalCheck):
 
     def not_applicable(self) -> str | None:
         return None if declared(self.run.stage.recipe) else "the recipe declares no probe"
-
-    def needs(self) -> tuple[str, ...]:
-        return ("served",)
 
     def env(self, server: str) -> dict[str, str]:
         return {**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(self.folder)} if server == "served" else {}

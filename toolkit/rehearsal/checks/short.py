@@ -5,7 +5,6 @@ from __future__ import annotations
 from toolkit.bench import client
 from toolkit.bench.metrics import RequestRecord
 from toolkit.rehearsal.checks.base import RehearsalCheck, Run
-from toolkit.rehearsal.model import Check
 from toolkit.rehearsal.requests import answered, send
 from toolkit.rehearsal.servers import Live
 
@@ -25,16 +24,7 @@ def short_request(run: Run, live: Live) -> RequestRecord:
 class Short(RehearsalCheck):
     name = "short"
     summary = "a one-line question, streamed"
-
-    def __init__(self, run: Run) -> None:
-        super().__init__(run)
-        self.record: RequestRecord | None = None
-
-    def needs(self) -> tuple[str, ...]:
-        return ("served",)
+    servers = ("served",)
 
     def on(self, server: str, live: Live) -> None:
-        self.record = short_request(self.run, live)
-
-    def verdict(self) -> Check:
-        return answered("short", self.record, self.run.reasoning) if self.record else self.unsent()
+        self.result = answered("short", short_request(self.run, live), self.run.reasoning)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from toolkit.bench import client, workloads
-from toolkit.rehearsal.checks.base import RehearsalCheck, Run
+from toolkit.rehearsal.checks.base import RehearsalCheck
 from toolkit.rehearsal.model import Check
 from toolkit.rehearsal.requests import answered, render_prompt, send, tools_body
 from toolkit.rehearsal.servers import Live
@@ -17,13 +17,8 @@ class Tools(RehearsalCheck):
     name = "tools"
     summary = "29 tool schemas, tool_choice auto; the schemas in the prompt"
     concurrent = True
+    servers = ("served",)
 
-    def __init__(self, run: Run) -> None:
-        super().__init__(run)
-        self.result: Check | None = None
-
-    def needs(self) -> tuple[str, ...]:
-        return ("served",)
 
     def on(self, server: str, live: Live) -> None:
         stage = self.run.stage
@@ -43,6 +38,3 @@ class Tools(RehearsalCheck):
                             "as rendered")
         self.result = Check("tools", not problems, "; ".join(problems) or (
             f"{check.detail}; prompt_tokens = the served template's rendering with every tool schema"))
-
-    def verdict(self) -> Check:
-        return self.result or self.unsent()
