@@ -381,8 +381,10 @@ QWEN25 = REPO / "recipes" / "bi100-qwen25.yaml"
 
 def test_a_second_model_shares_the_image_layer_and_copies_no_transform() -> None:
     flagship, qwen25 = load_recipe(FLAGSHIP), load_recipe(QWEN25)
-    assert qwen25.layers[:2] == (str(LAYERS / "corex-3.2.3.yaml"), str(LAYERS / "vllm-probes.yaml"))
-    assert set(qwen25.layers[:2]) <= set(flagship.layers)
+    shared = (str(LAYERS / "corex-3.2.3.yaml"), str(LAYERS / "vllm-probes.yaml"))
+    # 0.6.3's own front end gets what the flagship's adapter brings in its replaced files
+    assert qwen25.layers[:3] == (shared[0], str(LAYERS / "vllm063-openai.yaml"), shared[1])
+    assert set(shared) <= set(flagship.layers) and str(LAYERS / "vllm063-openai.yaml") not in flagship.layers
     assert all(str(qwen25.transform_origin(i)).startswith(str(LAYERS)) for i in range(len(qwen25.recipe.transforms)))
     assert "transforms:" not in QWEN25.read_text() and qwen25.recipe.sources == []
     assert qwen25.recipe.model is not None and qwen25.recipe.model.architecture == "Qwen2ForCausalLM"

@@ -228,6 +228,23 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert stray_processes() == [], "every server's group (engine process, TP worker) was stopped"
 
 
+def test_the_second_model_rehearses_with_every_check_ok(tmp_path: Path) -> None:
+    """recipes/bi100-qwen25.yaml serves the image's own vLLM front end: its usage reports cached tokens and its
+    hermes parser streams arguments that parse only with layers/vllm063-openai.yaml (before: short, tools,
+    multi-system, prefix-cache and cache-hits failed on "no prompt_tokens_details.cached_tokens", parsers on every
+    streamed call)."""
+    report = rehearse_cmd(RehearseRequest(REPO / "recipes/bi100-qwen25.yaml", Inputs(), output=tmp_path / "run"))
+    checks = _checks(report)
+    assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
+                           "prefix-cache", "answers"}
+    assert not [c for c in checks.values() if not c["ok"]], checks
+    assert "the tool parser hermes split them as the client expects" in checks["parsers"]["detail"]
+    assert re.search(r"cache hit rate 0\.[1-9]", checks["cache-hits"]["detail"]), checks["cache-hits"]
+    # its served template is the checkpoint's, which the tiny model only stands in for: said, not passed as checked
+    assert "the schemas in the prompt not checked" in checks["tools"]["detail"], checks["tools"]
+    assert report.exit_code == 0
+
+
 def test_every_later_turn_of_the_flagship_hits_the_cache(flagship_rehearsal: Any) -> None:
     """Each later turn's first chunk starts at the checkpoint its hit reaches: most of a conversation's prompt is
     skipped, not only what lies in a chunk that holds a checkpoint (the hit rate was 0.10 before)."""

@@ -104,14 +104,16 @@ request = json.loads(sys.stdin.read())
 tokenizer = AutoTokenizer.from_pretrained(request["model"])
 text = tokenizer.apply_chat_template(request["messages"], chat_template=request["template"], tokenize=False,
                                      add_generation_prompt=True, tools=request["tools"])
-print(json.dumps({"text": text, "tokens": len(tokenizer(text, add_special_tokens=False).input_ids)}))
+print(json.dumps({"text": text, "tokens": len(tokenizer(text, add_special_tokens=False).input_ids),
+                  "template": request["template"] or tokenizer.chat_template}))
 """
 
 
 def render_prompt(python: Path, model: Path, argv: list[str], messages: list[dict[str, str]],
                   tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The served template's rendering of `messages` (and `tools`, as vLLM passes them to the template) with the
-    served tokenizer, and its token count (the chat template the argv names, else the tokenizer's own)."""
+    served tokenizer, its token count and the template (the chat template the argv names, else the tokenizer's
+    own)."""
     given = experiment.flag_value(argv, "--chat-template")
     template = Path(given).read_text(encoding="utf-8") if given and Path(given).is_file() else given
     proc = subprocess.run([str(python), "-c", RENDER], input=json.dumps(

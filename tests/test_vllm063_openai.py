@@ -1,0 +1,153 @@
+"""layers/vllm063-openai.yaml: vLLM 0.6.3's own hermes parser, streamed, and the body that replaces it, driven token
+by token as 0.6.3's serving_chat drives it (its finish fix-up included) in the CPU runtime's vLLM 0.6.3; what a
+client reassembles from the deltas must parse to the arguments the model wrote. The cached-token usage is checked
+end to end by the rehearsal of recipes/bi100-qwen25.yaml (tests/test_rehearse.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO
+
+from toolkit.engine.evaluate import evaluate
+from toolkit.recipe import load_recipe
+from toolkit.runtime.env import runtime
+from toolkit.transforms import edit_kind
+from toolkit.transforms.base import Context
+
+HERMES = "vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py"
+QWEN25 = REPO / "recipes" / "bi100-qwen25.yaml"
+TAGS = re.compile(r"(<tool_call>|</tool_call>)")
+
+# serving_chat 0.6.3's streaming loop for one choice with tool_choice auto: the parser's delta per token, None
+# skipped, and on the last token (finish_reason set) its fix-up of a delta carrying arguments
+DRIVER = r"""
+import json, sys
+from vllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+import importlib
+
+class Tokenizer:
+    def get_vocab(self):
+        return {"<tool_call>": 1, "</tool_call>": 2}
+
+def stream(parser_class, pieces):
+    parser = parser_class(Tokenizer())
+    ids = {"<tool_call>": 1, "</tool_call>": 2}
+    text, token_ids, client = "", [], {"content": "", "calls": {}}
+    for n, piece in enumerate(pieces):
+        delta_ids = [ids.get(piece, 100 + n)]
+        delta = parser.extract_tool_calls_streaming(text, text + piece, piece, token_ids, token_ids + delta_ids,
+                                                    delta_ids, None)
+        text, token_ids = text + piece, token_ids + delta_ids
+        if delta is None:
+            continue
+        last = n == len(pieces) - 1
+        if (last and delta.tool_calls and delta.tool_calls[0].function
+                and delta.tool_calls[0].function.arguments is not None):
+            index = len(parser.prev_tool_call_arr) - 1
+            expected = json.dumps(parser.prev_tool_call_arr[index].get("arguments", {}))
+            remaining = expected.replace(parser.streamed_args_for_tool[index], "", 1)
+            delta = DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(
+                arguments=remaining).model_dump(exclude_none=True))])
+        client["content"] += delta.content or ""
+        for call in delta.tool_calls or []:
+            got = client["calls"].setdefault(call.index, {"name": "", "arguments": ""})
+            got["name"] += (call.function.name if call.function else None) or ""
+            got["arguments"] += (call.function.arguments if call.function else None) or ""
+    return client
+
+request = json.loads(sys.stdin.read())
+out = {}
+for module in request["modules"]:
+    parser_class = importlib.import_module(module).Hermes2ProToolParser
+    out[module] = [stream(parser_class, pieces) for pieces in request["cases"]]
+print(json.dumps(out))
+"""
+
+
+def pieces(text: str, size: int, end: str | None = "") -> list[str]:
+    """The text as a model streams it: each tag one token, the rest in pieces of `size` characters, then `end` (the
+    end-of-sequence token's text, none when the stream ends on the text's last token)."""
+    out: list[str] = []
+    for part in TAGS.split(text):
+        if TAGS.fullmatch(part):
+            out.append(part)
+        else:
+            out.extend(part[i:i + size] for i in range(0, len(part), size))
+    return [*out, end] if end is not None else out
+
+
+def call(name: str, arguments: dict[str, Any] | None) -> str:
+    body = {"name": name} if arguments is None else {"name": name, "arguments": arguments}
+    return f"<tool_call>\n{json.dumps(body)}\n</tool_call>"
+
+
+WEATHER = {"city": "Paris", "days": 12}
+NESTED = {"filter": {"tags": ["a", "b <i>"], "limit": 5, "ratio": -0.25}, "q": "x}]y", "on": True, "none": None}
+# (what the model writes, how it is cut, the content and calls a client must read)
+CASES: list[tuple[str, list[str], str, list[tuple[str, dict[str, Any]]]]] = [
+    ("a call, cut as a BPE tokenizer cuts it",
+     ["<tool_call>", "\n", '{"', "name", '":', ' "', "get", "_weather", '",', ' "', "arguments", '":', ' {"', "city",
+      '":', ' "', "Par", "is", '",', ' "', "days", '":', " ", "1", "2", "}}", "\n", "</tool_call>", ""],
+     "", [("get_weather", WEATHER)]),
+    ("a call, one character a token", pieces(call("get_weather", WEATHER), 1), "", [("get_weather", WEATHER)]),
+    ("nested arguments, three characters a token", pieces(call("search", NESTED), 3), "", [("search", NESTED)]),
+    ("content, then two calls, five characters a token",
+     pieces("Sure.\n" + call("get_weather", WEATHER) + "\n" + call("search", NESTED), 5), "Sure.",
+     [("get_weather", WEATHER), ("search", NESTED)]),
+    ("a call without arguments", pieces(call("now", None), 2), "", [("now", {})]),
+    ("the stream ends at </tool_call>", pieces(call("get_weather", WEATHER), 4, end=None), "",
+     [("get_weather", WEATHER)]),
+]
+
+
+def read(client: dict[str, Any]) -> dict[str, Any]:
+    """What a client makes of the deltas: the content stripped, each call's arguments parsed (unparsable: text)."""
+    calls = []
+    for index in sorted(client["calls"], key=int):
+        got = client["calls"][index]
+        try:
+            arguments = json.loads(got["arguments"] or "{}")
+        except json.JSONDecodeError:
+            arguments = "(not JSON) " + got["arguments"]
+        calls.append([got["name"], arguments])
+    return {"content": client["content"].strip(), "calls": calls}
+
+
+@pytest.fixture(scope="module")
+def streamed(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    folder = tmp_path_factory.mktemp("hermes")
+    original = (vllm_063 / HERMES).read_bytes()
+    [spec] = [t for t in load_recipe(QWEN25).recipe.transforms if t.id == "hermes-streaming-settled-arguments"]
+    patched = evaluate(HERMES, original, [edit_kind(spec, Context(patches_dir=REPO / "patches" / "src"))], None)
+    assert patched.text is not None
+    (folder / "hermes_063.py").write_bytes(original)
+    (folder / "hermes_settled.py").write_text(patched.text, encoding="utf-8")
+    proc = subprocess.run([str(runtime()), "-c", DRIVER], input=json.dumps(
+        {"modules": ["hermes_063", "hermes_settled"], "cases": [c[1] for c in CASES]}), capture_output=True,
+        text=True, cwd=folder, env={**os.environ, "PYTHONPATH": f"{folder}:{vllm_063}"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, list[dict[str, Any]]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_the_settled_body_streams_arguments_a_client_can_parse(streamed: dict[str, Any], case: int) -> None:
+    _, _, content, calls = CASES[case]
+    assert read(streamed["hermes_settled"][case]) == {"content": content, "calls": [list(c) for c in calls]}
+
+
+def test_vllm_063s_own_body_garbles_string_arguments(streamed: dict[str, Any]) -> None:
+    """The defect the transform removes, seen by the same driver: 0.6.3's body sends a string argument's quote out
+    of place and, its streamed text then being no prefix of the arguments, the whole arguments again at
+    </tool_call>."""
+    garbled = [read(r)["calls"] for r in streamed["hermes_063"][:2]]
+    for calls in garbled:
+        assert isinstance(calls[0][1], str) and calls[0][1].startswith("(not JSON)"), calls
+        assert calls[0][1].endswith('12{"city": "Paris", "days": 12}'), calls
