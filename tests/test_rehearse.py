@@ -219,7 +219,7 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
                                                             "device memory"}
     assert {"ixformer.functions.vllm_single_query_cached_kv_attention", "ixformer.functions.linear",
             "ixformer.distributed.all_reduce"} <= set(variant["references"])
-    assert {"gloo-for-nccl", "load-check", "registry-check-forked"} <= set(variant["shims"])
+    assert {"gloo-for-nccl", "load-check", "registry-check-forked", "device-tensor-tests"} <= set(variant["shims"])
     tools = next(r for r in variant["requests"] if r["sent"] == "tools")
     assert tools["prompt_tokens"] > 4000  # the 29 schemas reached the prompt
     assert "prompt_tokens = the served template's rendering with every tool schema" in checks["tools"]["detail"]
@@ -469,14 +469,16 @@ def _mutant(name: str, file: str, scope: str, new: str) -> Any:
 
 def test_a_tp_all_reduce_that_sums_nothing_fails_the_answers_against_tp1(
         tmp_path: Path, adapter_args: list[str]) -> None:
-    """Each rank keeps its partial sums: the server starts, serves and caches as before, and only the oracle that
-    compares with one rank's answers can tell."""
+    """Each rank keeps its partial sums: the server starts, serves and caches as before; the oracle that compares
+    with one rank's answers tells, and `start` says no all-reduce went through ixformer (the image's path)."""
     recipe = recipe_copy(tmp_path / "recipe", _mutant("mutant-all-reduce-noop", "vllm/distributed/parallel_state.py",
                                                        "GroupCoordinator.all_reduce", "return input_"))
     report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), output=tmp_path / "run",
                                           checks=("answers",)))
     checks = _checks(report)
-    assert report.exit_code == 1 and checks["start"]["ok"] and checks["weights"]["ok"], checks
+    assert report.exit_code == 1 and checks["weights"]["ok"], checks
+    assert not checks["start"]["ok"] and checks["start"]["detail"].startswith("ready after "), checks["start"]
+    assert "no TP all-reduce went through ixformer.distributed.all_reduce" in checks["start"]["detail"]
     detail = checks["answers"]["detail"]
     print(detail)
     assert not checks["answers"]["ok"] and "TP 2 differs from TP 1: " in detail, detail
@@ -682,3 +684,26 @@ def test_a_model_folder_without_a_config_is_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert code == 2 and f"--model {tmp_path}: no config.json there" in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("tp", "computed", "ok"), [
+    (2, {"ixformer.functions.linear": 9}, False),
+    (2, {"ixformer.distributed.all_reduce": 4}, True),
+    (1, {"ixformer.functions.linear": 9}, True),
+])
+def test_a_tp_rehearsal_that_reduced_nothing_through_ixformer_fails_start(tmp_path: Path, tp: int,
+                                                                          computed: dict[str, int], ok: bool) -> None:
+    """The image's _all_reduce_in_place reduces through ixformer: a served server at TP > 1 whose ranks counted no
+    such call took a branch the image never takes (upstream's CPU branch, a rewritten all_reduce)."""
+    load = {"parameters": 3, "unwritten": [], "unused": [], "skipped": [], "tensors": 3}
+    record = tmp_path / "standins.json"
+    record.write_text(json.dumps({"computed": computed, "shims": [], "load": load}))
+    if tp == 2:
+        (tmp_path / "standins.json.1").write_text(json.dumps({"computed": {}, "shims": [], "load": load}))
+    rehearsal = model.Rehearsal("base", tp, tmp_path)
+    rehearsal.checks.append(model.Check("start", True, "ready after 1.0 s"))
+    servers.read_record(rehearsal, record, tp)
+    [start] = [c for c in rehearsal.checks if c.name == "start"]
+    assert start.ok is ok, start.detail
+    if not ok:
+        assert "no TP all-reduce went through ixformer.distributed.all_reduce" in start.detail

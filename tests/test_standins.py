@@ -294,3 +294,48 @@ def test_the_registry_check_runs_in_a_fork_with_its_own_result_failure_and_recor
     assert [c["name"] for c in child["calls"]] == ["ixformer.functions.moe_align_block_size"]
     assert child["computed"] == {} and record["computed"] == {"ixformer.functions.linear": 1}
     assert "load" not in child and record["load"] == {"parameters": 3}
+
+
+def test_the_moe_functions_the_bi_v100_lacks_fail_as_there(corex_template: Path, tmp_path: Path) -> None:
+    """The vendor's _custom_ops routes vLLM's fused MoE to three ixformer functions the BI-V100's ixformer does not
+    have: with the image layer's stand-ins, each call fails with the device's AttributeError (a transform routing
+    the model into them is caught on this CPU), and the ops the served path does call still map to references."""
+    from conftest import roots_of
+
+    from toolkit.recipe import load_recipe
+    from toolkit.runtime.env import runtime
+
+    [ixformer] = [g for g in load_recipe(FLAGSHIP).recipe.base_image.gpu_libraries if g.name == "ixformer"]
+    env = dict(os.environ, **standins.environment(tmp_path / "cache", ["ixformer", "xformers", "triton"],
+                                                  [roots_of(corex_template)[0]], ixformer.absent,
+                                                  devices={"count": 1, "memory_gb": 1, "capability": [7, 0]},
+                                                  cpu_device=True),
+               TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "record.json"))
+    code = textwrap.dedent("""
+        import json
+        import torch
+        import vllm._custom_ops as ops
+        out = {}
+        calls = {"topk_softmax": lambda: ops.topk_softmax(None, None, None, None),
+                 "moe_align_block_size": lambda: ops.moe_align_block_size(None, 8, 16, None, None, None),
+                 "invoke_fused_moe_kernel": lambda: ops.invoke_fused_moe_kernel(
+                     *[None] * 10, {"BLOCK_SIZE_M": 16})}
+        for name, call in calls.items():
+            try:
+                call()
+                out[name] = "ran"
+            except AttributeError as exc:
+                out[name] = str(exc)
+        x = torch.randn(2, 8)
+        out["silu_and_mul"] = ops.silu_and_mul(torch.empty(2, 4), x) is None
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([str(runtime()), "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {
+        "topk_softmax": "ixformer.functions.vllm_moe_topk_softmax is absent from the image",
+        "moe_align_block_size": "ixformer.functions.vllm_moe_align_block_size is absent from the image",
+        "invoke_fused_moe_kernel": "ixformer.functions.vllm_invoke_fused_moe_kernel is absent from the image",
+        "silu_and_mul": True}

@@ -249,7 +249,7 @@ def start(stage: Stage, spec: ServerSpec, port: int | None = None,
     finally:
         stopped = server.stop()
         stage.say(f"rehearse: the {spec.name} server stopped after {stopped:.1f} s")
-    read_record(stage.rehearsal, record)
+    read_record(stage.rehearsal, record, tp)
 
 
 # what every server's environment gets beyond the run config's, and why (each one printed as a substitution)
@@ -300,9 +300,9 @@ def server_environment(stage: Stage, env: dict[str, str], record: Path, extra: d
     return out, subs
 
 
-def read_record(rehearsal: Rehearsal, record: Path) -> None:
+def read_record(rehearsal: Rehearsal, record: Path, tp: int) -> None:
     """What a stopped server's stand-ins recorded: the references it computed, its shims, and (from the first
-    server) the weights check on every rank's load."""
+    server) the weights check on every rank's load and, at TP > 1, the TP all-reduce counted through ixformer."""
     if not record.is_file():
         # the weights check reads it: a server that wrote none (its stand-ins never loaded) fails it, not skips it
         if not rehearsal.has("weights"):
@@ -317,6 +317,15 @@ def read_record(rehearsal: Rehearsal, record: Path) -> None:
     loads = [p["load"] for p in [data, *data.get("processes", [])] if p.get("load", {}).get("parameters")]
     if not rehearsal.has("weights"):
         rehearsal.checks.append(weights_check(loads, rehearsal.tp))
+        if tp > 1 and not data.get("computed", {}).get(TP_ALL_REDUCE):
+            # the image's _all_reduce_in_place reduces through ixformer; a tree that reduced otherwise (upstream's
+            # CPU branch, a rewritten all_reduce) or not at all ran a path the device never runs
+            rehearsal.checks = [Check("start", False, f"{c.detail}; but at TP {tp} no TP all-reduce went through "
+                                      f"{TP_ALL_REDUCE}: the tree's all-reduce took a branch the image never takes")
+                                if c.name == "start" else c for c in rehearsal.checks]
+
+
+TP_ALL_REDUCE = "ixformer.distributed.all_reduce"
 
 
 def weights_check(loads: list[dict[str, Any]], tp: int) -> Check:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 import threading
 import types
@@ -38,6 +39,10 @@ SHIMS: dict[str, str] = {
     "cuda-tensors-on-cpu": "a tensor the tree puts on cuda (device=, .to(), .cuda()) is made on the CPU, and "
                            "pinning it (pin_memory=True, .pin_memory()) is left out: a torch function mode, entered "
                            "in every thread",
+    "device-tensor-tests": "a tensor answers the vendor tree's own `is_cpu` False and `is_cuda` True, as each tensor "
+                           "it computes with does on the device, so the tree takes its device branches "
+                           "(_all_reduce_in_place's ixformer all-reduce, not upstream's CPU branch, which the image "
+                           "never takes); torch's own code, the toolkit's patches and `device` still see the CPU",
     "torch-cuda-calls": "torch.cuda's device, stream, event, seed and synchronize calls act on the one CPU "
                         "(no-ops); the device's name, count, capability and properties are the emulated device's",
     "emulated-memory": "torch.cuda.mem_get_info reads the emulated device's memory less this process's growth: its "
@@ -132,6 +137,18 @@ def _reset_peak() -> None:
 _START_RSS = _peak_rss()
 
 
+def _in_tree(torch_dir: str) -> bool:
+    """Whether the code that asked (the first frame outside torch, past the property's getter) is the vendor
+    tree's."""
+    vllm = sys.modules.get("vllm")
+    if vllm is None or not getattr(vllm, "__file__", None):
+        return False
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame is not None and frame.f_code.co_filename.startswith(os.path.dirname(str(vllm.__file__)) + os.sep)
+
+
 def _on_cpu_tensors(torch: types.ModuleType) -> None:
     from torch.overrides import TorchFunctionMode
 
@@ -176,6 +193,26 @@ def _on_cpu_tensors(torch: types.ModuleType) -> None:
 
     threading.Thread._bootstrap_inner = in_mode  # type: ignore[attr-defined]
     standins.shim_applied("cuda-tensors-on-cpu")
+
+
+def _device_tests(torch: types.ModuleType) -> None:
+    """torch.Tensor's is_cpu and is_cuda as properties that answer the tree as the device would. A property, not the
+    function mode: torch runs a custom op's Python kernel (vLLM's inplace_all_reduce, which calls
+    _all_reduce_in_place) with the function modes off."""
+    base = getattr(torch._C, "TensorBase", None) or getattr(torch._C, "_TensorBase")  # noqa: B009 - torch < 2.1
+    torch_dir = os.path.dirname(str(torch.__file__)) + os.sep
+
+    def answer(name: str, on_device: bool) -> None:
+        real = getattr(base, name)
+
+        def get(self: Any) -> bool:
+            return on_device if _in_tree(torch_dir) else bool(real.__get__(self))
+
+        setattr(torch.Tensor, name, property(get))
+
+    answer("is_cpu", False)
+    answer("is_cuda", True)
+    standins.shim_applied("device-tensor-tests")
 
 
 class _Event:
@@ -431,6 +468,8 @@ def install(devices: dict[str, Any] | None, without: tuple[str, ...] = ()) -> No
     def on_torch(torch: types.ModuleType) -> None:
         if "cuda-tensors-on-cpu" not in without:
             _on_cpu_tensors(torch)
+        if "device-tensor-tests" not in without:
+            _device_tests(torch)
         _torch_cuda(torch, devices, without)
         if "gloo-for-nccl" not in without:
             _gloo(torch)
