@@ -26,7 +26,7 @@ from conftest import REPO, roots_of
 
 from toolkit.cli import main
 from toolkit.inputs import cache_dir
-from toolkit.pyenv import script
+from toolkit.pyenv import code, script
 from toolkit.recipe import load_recipe
 from toolkit.runtime import cpu_device, standins, tiny_model
 from toolkit.runtime.env import runtime
@@ -202,18 +202,16 @@ def test_a_wrong_reference_fails_the_generation_check(mutants: dict[str, Any], m
 WITHOUT = {"cuda-tensors-on-cpu": "Could not run 'aten::empty.memory_format' with arguments from the 'CUDA' backend",
            "torch-cuda-calls": "module 'torch._C' has no attribute '_cuda_setDevice'",
            "emulated-memory": "'NoneType' object has no attribute 'cudaMemGetInfo'",
-           "gloo-for-nccl": "Distributed package doesn't have NCCL built in",
-           # the image's _all_reduce_in_place takes upstream's CPU branch for a tensor that says it is on the CPU
-           "device-tensor-tests": "No module named 'intel_extension_for_pytorch'"}
+           "gloo-for-nccl": "Distributed package doesn't have NCCL built in"}
 
 
-@pytest.mark.parametrize("shim", [*cpu_device.SHIMS])
+# the device tests matter only where a TP all-reduce runs, and an engine at TP 2 whose rank fails in a collective
+# can leave the other waiting in it: that shim is seen needed on the tree's own all-reduce, below
+@pytest.mark.parametrize("shim", [s for s in cpu_device.SHIMS if s != "device-tensor-tests"])
 def test_each_shim_is_needed(served: dict[str, Any], shim: str) -> None:
     # at TP 1: the vendor's worker asks for an NCCL group there too, and at TP 2 a worker that dies in that call
     # can leave the driver waiting for it in the group's rendezvous until the timeout
-    # the device tests matter where a TP all-reduce runs: at TP 2 (the rank fails in its forward, after the
-    # rendezvous, and the run is stopped with its group)
-    result = run(served, f"without-{shim}", without=shim, tp=2 if shim == "device-tensor-tests" else 1)
+    result = run(served, f"without-{shim}", without=shim)
     assert result["code"] != 0, f"the engine ran without {shim}"
     assert WITHOUT[shim] in result["stderr"], result["stderr"][-3000:]
 
@@ -247,3 +245,44 @@ def test_the_runtime_refuses_an_unknown_switch_value(served: dict[str, Any]) -> 
     proc = subprocess.run([str(served["python"]), "-c", "print('started')"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "started" not in proc.stdout
     assert "TOOLKIT_CPU_DEVICE='yes' is not known" in proc.stderr
+
+
+ALL_REDUCE = """
+import json, os, torch, torch.distributed as dist
+from vllm.distributed.parallel_state import GroupCoordinator
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
+group = type("Group", (), {"pynccl_comm": None, "device_group": dist.group.WORLD})()
+x = torch.ones(3, device="cuda")
+try:
+    GroupCoordinator._all_reduce_in_place(group, x)
+    print(json.dumps({"reduced": x.tolist()}))
+except ImportError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+@pytest.mark.parametrize("shim_on", [True, False], ids=["with", "without"])
+def test_the_trees_all_reduce_takes_the_ixformer_branch_only_with_the_device_tests(served: dict[str, Any],
+                                                                                   shim_on: bool) -> None:
+    """The image's _all_reduce_in_place tests `input_.is_cpu` before its ixformer branch: on CPU tensors it takes
+    upstream's CPU branch (an intel_extension_for_pytorch the image lacks) unless the tree's tests are answered as
+    on the device."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    record = served["work"] / f"record-all-reduce-{shim_on}" / "standins.json"
+    record.parent.mkdir()
+    env = dict(served["env"], TOOLKIT_GPU_STANDINS_RECORD=str(record), PORT=str(port))
+    if not shim_on:
+        env[standins.CPU_DEVICE_ENV] = "on without device-tensor-tests"
+    proc = subprocess.run(code(served["python"], ALL_REDUCE), capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if shim_on:
+        assert out == {"reduced": [1.0, 1.0, 1.0]}
+        assert standins.read_record(record)["computed"]["ixformer.distributed.all_reduce"] == 1
+    else:
+        assert out == {"error": "No module named 'intel_extension_for_pytorch'"}

@@ -25,8 +25,9 @@ HERMES = "vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py"
 QWEN25 = REPO / "recipes" / "bi100-qwen25.yaml"
 TAGS = re.compile(r"(<tool_call>|</tool_call>)")
 
-# serving_chat 0.6.3's streaming loop for one choice with tool_choice auto: the parser's delta per token, None
-# skipped, and on the last token (finish_reason set) its fix-up of a delta carrying arguments
+# serving_chat 0.6.3's streaming loop for one choice with tool_choice auto, with the layer's
+# stream-finish-after-held-token: the parser's delta per token, None skipped except on the last token (then an
+# empty delta carries the finish), and on the last token its fix-up of a delta carrying arguments
 DRIVER = r"""
 import json, sys
 from vllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
@@ -39,15 +40,18 @@ class Tokenizer:
 def stream(parser_class, pieces):
     parser = parser_class(Tokenizer())
     ids = {"<tool_call>": 1, "</tool_call>": 2}
-    text, token_ids, client = "", [], {"content": "", "calls": {}}
+    text, token_ids, client = "", [], {"content": "", "calls": {}, "finished": False}
     for n, piece in enumerate(pieces):
         delta_ids = [ids.get(piece, 100 + n)]
         delta = parser.extract_tool_calls_streaming(text, text + piece, piece, token_ids, token_ids + delta_ids,
                                                     delta_ids, None)
         text, token_ids = text + piece, token_ids + delta_ids
-        if delta is None:
-            continue
         last = n == len(pieces) - 1
+        if delta is None:
+            if not last:
+                continue
+            delta = DeltaMessage()
+        client["finished"] = last
         if (last and delta.tool_calls and delta.tool_calls[0].function
                 and delta.tool_calls[0].function.arguments is not None):
             index = len(parser.prev_tool_call_arr) - 1
@@ -104,7 +108,14 @@ CASES: list[tuple[str, list[str], str, list[tuple[str, dict[str, Any]]]]] = [
     ("a call without arguments", pieces(call("now", None), 2), "", [("now", {})]),
     ("the stream ends at </tool_call>", pieces(call("get_weather", WEATHER), 4, end=None), "",
      [("get_weather", WEATHER)]),
+    ("a call without a name, then a valid one",
+     pieces('<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>\n' + call("get_weather", WEATHER) + "\nbye", 3),
+     "bye", [("get_weather", WEATHER)]),
 ]
+# a stream cut inside a call (max_tokens, a stop string): what was sent is a prefix of the arguments' JSON, or, where
+# the last token carried arguments, serving_chat's fix-up completed them from the partial parse
+CUT = {"city": "Paris", "days": -12.5, "tags": ["a", "b"]}
+CUTS = [pieces(call("get_weather", CUT)[:n], 2, end=None) for n in (30, 50, 60, 75)]
 
 
 def read(client: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +141,7 @@ def streamed(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     (folder / "hermes_063.py").write_bytes(original)
     (folder / "hermes_settled.py").write_text(patched.text, encoding="utf-8")
     proc = subprocess.run([str(runtime()), "-c", DRIVER], input=json.dumps(
-        {"modules": ["hermes_063", "hermes_settled"], "cases": [c[1] for c in CASES]}), capture_output=True,
+        {"modules": ["hermes_063", "hermes_settled"], "cases": [*(c[1] for c in CASES), *CUTS]}), capture_output=True,
         text=True, cwd=folder, env={**os.environ, "PYTHONPATH": f"{folder}:{vllm_063}"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result: dict[str, list[dict[str, Any]]] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -151,3 +162,15 @@ def test_vllm_063s_own_body_garbles_string_arguments(streamed: dict[str, Any]) -
     for calls in garbled:
         assert isinstance(calls[0][1], str) and calls[0][1].startswith("(not JSON)"), calls
         assert calls[0][1].endswith('12{"city": "Paris", "days": 12}'), calls
+
+
+@pytest.mark.parametrize("cut", range(len(CUTS)))
+def test_a_stream_cut_inside_a_call_sent_a_prefix_of_its_arguments_and_finished(streamed: dict[str, Any],
+                                                                                 cut: int) -> None:
+    client = streamed["hermes_settled"][len(CASES) + cut]
+    assert client["finished"], "the last token's chunk went out"
+    for got in client["calls"].values():
+        assert got["name"] == "get_weather"
+        if not json.dumps(CUT).startswith(got["arguments"]):
+            completed = json.loads(got["arguments"])
+            assert set(completed) <= set(CUT) and all(CUT[k] == v for k, v in completed.items()), completed

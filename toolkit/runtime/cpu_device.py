@@ -42,7 +42,8 @@ SHIMS: dict[str, str] = {
     "device-tensor-tests": "a tensor answers the vendor tree's own `is_cpu` False and `is_cuda` True, as each tensor "
                            "it computes with does on the device, so the tree takes its device branches "
                            "(_all_reduce_in_place's ixformer all-reduce, not upstream's CPU branch, which the image "
-                           "never takes); torch's own code, the toolkit's patches and `device` still see the CPU",
+                           "never takes); torch's own code, native_fastpaths, the stand-ins and `device` still "
+                           "see the CPU",
     "torch-cuda-calls": "torch.cuda's device, stream, event, seed and synchronize calls act on the one CPU "
                         "(no-ops); the device's name, count, capability and properties are the emulated device's",
     "emulated-memory": "torch.cuda.mem_get_info reads the emulated device's memory less this process's growth: its "
@@ -137,16 +138,13 @@ def _reset_peak() -> None:
 _START_RSS = _peak_rss()
 
 
-def _in_tree(torch_dir: str) -> bool:
-    """Whether the code that asked (the first frame outside torch, past the property's getter) is the vendor
-    tree's."""
+def _in_tree() -> bool:
+    """Whether the code that asked (the frame past the property's getter) is the vendor tree's: torch's own code
+    a tree function calls still gets torch's answer."""
     vllm = sys.modules.get("vllm")
     if vllm is None or not getattr(vllm, "__file__", None):
         return False
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(torch_dir):
-        frame = frame.f_back  # type: ignore[assignment]
-    return frame is not None and frame.f_code.co_filename.startswith(os.path.dirname(str(vllm.__file__)) + os.sep)
+    return sys._getframe(2).f_code.co_filename.startswith(os.path.dirname(str(vllm.__file__)) + os.sep)
 
 
 def _on_cpu_tensors(torch: types.ModuleType) -> None:
@@ -199,14 +197,12 @@ def _device_tests(torch: types.ModuleType) -> None:
     """torch.Tensor's is_cpu and is_cuda as properties that answer the tree as the device would. A property, not the
     function mode: torch runs a custom op's Python kernel (vLLM's inplace_all_reduce, which calls
     _all_reduce_in_place) with the function modes off."""
-    base = getattr(torch._C, "TensorBase", None) or getattr(torch._C, "_TensorBase")  # noqa: B009 - torch < 2.1
-    torch_dir = os.path.dirname(str(torch.__file__)) + os.sep
-
     def answer(name: str, on_device: bool) -> None:
-        real = getattr(base, name)
+        # the C tensor base's descriptor, below torch.Tensor in its MRO
+        real = next(vars(k)[name] for k in torch.Tensor.__mro__[1:] if name in vars(k))
 
         def get(self: Any) -> bool:
-            return on_device if _in_tree(torch_dir) else bool(real.__get__(self))
+            return on_device if _in_tree() else bool(real.__get__(self))
 
         setattr(torch.Tensor, name, property(get))
 

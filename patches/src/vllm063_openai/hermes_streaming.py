@@ -78,10 +78,12 @@ class Hermes2ProToolParser:
             outside, calls = split(current_text)
             content = outside[len(previous_outside):] if outside.startswith(previous_outside) else ""
             deltas: list[DeltaToolCall] = []
+            sent: list[str] = self.__dict__.setdefault("sent_args_for_tool", [])
             for index, (body, closed) in enumerate(calls):
                 if index == len(self.prev_tool_call_arr):
                     self.prev_tool_call_arr.append({})
                     self.streamed_args_for_tool.append("")
+                    sent.append("")
                     self.current_tool_id = index
                     self.current_tool_name_sent = False
                 call: Any = None
@@ -89,12 +91,13 @@ class Hermes2ProToolParser:
                     try:
                         call = json.loads(body)
                     except json.JSONDecodeError:
-                        logger.error("tool call %d is not JSON: %r", index, body)
+                        if self.tool_call_end_token in delta_text:  # said once, as it closes
+                            logger.error("tool call %d is not JSON: %r", index, body)
                         continue
                 elif body.strip():
                     try:
                         call = partial_json_parser.loads(body, Allow.ALL & ~Allow.STR)
-                    except partial_json_parser.core.exceptions.MalformedJSON:
+                    except (partial_json_parser.core.exceptions.MalformedJSON, json.JSONDecodeError):
                         continue
                 if not isinstance(call, dict):
                     continue
@@ -117,9 +120,6 @@ class Hermes2ProToolParser:
                     # a scalar at the end may still grow or change (`-` parses as 0, `-0.` as -0.0 before -0.25)
                     settled = re.sub(r"(-?[0-9][0-9.eE+-]*|true|false|null)$", "",
                                      json.dumps(arguments).rstrip("]}"))
-                sent: list[str] = self.__dict__.setdefault("sent_args_for_tool", [])
-                if index == len(sent):
-                    sent.append("")
                 streamed = sent[index]
                 if len(settled) > len(streamed):
                     if not settled.startswith(streamed):
