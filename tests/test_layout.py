@@ -21,11 +21,12 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("runtime", ("toolkit.runtime",)),
     ("bench", ("toolkit.bench",)),
     ("rehearsal", ("toolkit.rehearsal",)),
+    ("estimate", ("toolkit.estimate",)),
     ("commands", ("toolkit.commands", "toolkit.api")),
     ("cli", ("toolkit.report", "toolkit.cli", "toolkit.entry", "toolkit.testing", "toolkit.__main__")),
 ]
 PACKAGES = ("toolkit.transforms", "toolkit.engine", "toolkit.lint", "toolkit.submission", "toolkit.runtime",
-            "toolkit.bench", "toolkit.rehearsal", "toolkit.commands")
+            "toolkit.bench", "toolkit.rehearsal", "toolkit.estimate", "toolkit.commands")
 
 
 def stage_of(module: str) -> int:

@@ -35,6 +35,12 @@ class Hardware(Strict):
         default_factory=list, description="Failure modes known on this hardware (drive lint rules)")
     runtime_overhead_gb: float = Field(
         default=1.0, ge=0, description="Per-card memory outside vLLM's accounting (runtime, NCCL buffers), GiB")
+    # the public figures a device model prices operations against (toolkit.estimate.device)
+    bandwidth_gbs: float | None = Field(default=None, gt=0, description="Memory bandwidth per card, GB/s")
+    peak_tflops: dict[str, float] | None = Field(
+        default=None, description="Dense peak per dtype (bfloat16, float16, float32), TFLOP/s per card")
+    link_gbs: float | None = Field(default=None, gt=0, description="Bandwidth between cards, each way, GB/s "
+                                   "(PCIe 4.0 x16: 32)")
 
 
 class GpuLibrary(Strict):
