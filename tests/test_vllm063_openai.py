@@ -174,3 +174,37 @@ def test_a_stream_cut_inside_a_call_sent_a_prefix_of_its_arguments_and_finished(
         if not json.dumps(CUT).startswith(got["arguments"]):
             completed = json.loads(got["arguments"])
             assert set(completed) <= set(CUT) and all(CUT[k] == v for k, v in completed.items()), completed
+
+
+SEQUENCE = "vllm/sequence.py"
+NO_NEW_TOKENS = """
+import importlib.util, json, sys
+from vllm.sequence import Logprob
+out = {}
+for name in sys.argv[1:]:
+    spec = importlib.util.spec_from_file_location(name, name + ".py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seq = module.Sequence(0, {"prompt_token_ids": [1, 2, 3]}, 16)
+    chunk = seq.get_output_token_ids_to_return(True)  # a prefill chunk's step: nothing sampled
+    seq.append_token_id(7, {7: Logprob(0.0)})
+    out[name] = [list(chunk), seq.get_output_token_ids_to_return(True)]
+print(json.dumps(out))
+"""
+
+
+def test_a_step_that_samples_nothing_returns_no_tokens(vllm_063: Path, tmp_path: Path) -> None:
+    """0.6.3 returns the whole prompt as a chunked prefill step's new tokens; the layer's guard returns none, and
+    the token a later step samples still comes out alone."""
+    original = (vllm_063 / SEQUENCE).read_bytes()
+    [spec] = [t for t in load_recipe(QWEN25).recipe.transforms if t.id == "delta-output-no-new-tokens"]
+    patched = evaluate(SEQUENCE, original, [edit_kind(spec, Context(patches_dir=REPO / "patches" / "src"))], None)
+    assert patched.text is not None
+    (tmp_path / "sequence_063.py").write_bytes(original)
+    (tmp_path / "sequence_guarded.py").write_text(patched.text, encoding="utf-8")
+    proc = subprocess.run([str(runtime()), "-c", NO_NEW_TOKENS, "sequence_063", "sequence_guarded"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{vllm_063}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"sequence_063": [[1, 2, 3], 7], "sequence_guarded": [[], 7]}
