@@ -131,15 +131,20 @@ def read(client: dict[str, Any]) -> dict[str, Any]:
     return {"content": client["content"].strip(), "calls": calls}
 
 
+def both(vllm_063: Path, rel: str, transform: str, folder: Path, names: tuple[str, str]) -> None:
+    """`rel` as vLLM 0.6.3 has it and as the layer's `transform` writes it, as two modules in `folder`."""
+    original = (vllm_063 / rel).read_bytes()
+    [spec] = [t for t in load_recipe(QWEN25).recipe.transforms if t.id == transform]
+    patched = evaluate(rel, original, [edit_kind(spec, Context(patches_dir=REPO / "patches" / "src"))], None)
+    assert patched.text is not None
+    (folder / f"{names[0]}.py").write_bytes(original)
+    (folder / f"{names[1]}.py").write_text(patched.text, encoding="utf-8")
+
+
 @pytest.fixture(scope="module")
 def streamed(vllm_063: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     folder = tmp_path_factory.mktemp("hermes")
-    original = (vllm_063 / HERMES).read_bytes()
-    [spec] = [t for t in load_recipe(QWEN25).recipe.transforms if t.id == "hermes-streaming-settled-arguments"]
-    patched = evaluate(HERMES, original, [edit_kind(spec, Context(patches_dir=REPO / "patches" / "src"))], None)
-    assert patched.text is not None
-    (folder / "hermes_063.py").write_bytes(original)
-    (folder / "hermes_settled.py").write_text(patched.text, encoding="utf-8")
+    both(vllm_063, HERMES, "hermes-streaming-settled-arguments", folder, ("hermes_063", "hermes_settled"))
     proc = subprocess.run([str(runtime()), "-c", DRIVER], input=json.dumps(
         {"modules": ["hermes_063", "hermes_settled"], "cases": [*(c[1] for c in CASES), *CUTS]}), capture_output=True,
         text=True, cwd=folder, env={**os.environ, "PYTHONPATH": f"{folder}:{vllm_063}"}, timeout=300)
@@ -196,12 +201,7 @@ print(json.dumps(out))
 def test_a_step_that_samples_nothing_returns_no_tokens(vllm_063: Path, tmp_path: Path) -> None:
     """0.6.3 returns the whole prompt as a chunked prefill step's new tokens; the layer's guard returns none, and
     the token a later step samples still comes out alone."""
-    original = (vllm_063 / SEQUENCE).read_bytes()
-    [spec] = [t for t in load_recipe(QWEN25).recipe.transforms if t.id == "delta-output-no-new-tokens"]
-    patched = evaluate(SEQUENCE, original, [edit_kind(spec, Context(patches_dir=REPO / "patches" / "src"))], None)
-    assert patched.text is not None
-    (tmp_path / "sequence_063.py").write_bytes(original)
-    (tmp_path / "sequence_guarded.py").write_text(patched.text, encoding="utf-8")
+    both(vllm_063, SEQUENCE, "delta-output-no-new-tokens", tmp_path, ("sequence_063", "sequence_guarded"))
     proc = subprocess.run([str(runtime()), "-c", NO_NEW_TOKENS, "sequence_063", "sequence_guarded"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}:{vllm_063}"})
