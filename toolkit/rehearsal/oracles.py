@@ -55,6 +55,14 @@ class Comparison:
     ties: list[str] = field(default_factory=list)
     compared: int = 0
 
+    def mismatch(self, name: str, index: int, tie: float | None, differs: str) -> None:
+        """A token the two sides disagree on: a near-tie (`tie`: how far apart, in nats) is said and stepped over,
+        anything else is `differs`."""
+        if tie is None:
+            self.differ.append(differs)
+        else:
+            self.ties.append(f"{name} at token {index} (logprobs {tie:.4f} apart)")
+
     def problems(self, minimum: int, what: str) -> list[str]:
         found = list(self.differ)
         if self.compared < minimum:
@@ -150,12 +158,9 @@ def against_tp1(mine: Sequence[Answer], theirs: Sequence[Answer], tie_nats: floa
             out.compared += min(len(a.ids), len(b.ids))
             continue
         out.compared += j
-        tie = _tie(a.ids[j], a.logprobs[j], a.top[j], b.ids[j], b.logprobs[j], b.top[j], tie_nats)
-        if tie is None:
-            out.differ.append(f"{name}: token {j} is {a.ids[j]} at TP {tp}, {b.ids[j]} at TP 1 "
-                              f"(ids {list(a.ids)} vs {list(b.ids)})")
-        else:
-            out.ties.append(f"{name} at token {j} (logprobs {tie:.4f} apart)")
+        out.mismatch(name, j, _tie(a.ids[j], a.logprobs[j], a.top[j], b.ids[j], b.logprobs[j], b.top[j], tie_nats),
+                     f"{name}: token {j} is {a.ids[j]} at TP {tp}, {b.ids[j]} at TP 1 "
+                     f"(ids {list(a.ids)} vs {list(b.ids)})")
     return out
 
 
@@ -176,10 +181,6 @@ def against_prefill(answer: Answer, nexts: Sequence[Answer], tie_nats: float) ->
         if nxt.ids[0] == token:
             out.compared += 1
             continue
-        tie = _tie(token, lp, top, nxt.ids[0], nxt.logprobs[0], nxt.top[0], tie_nats)
-        if tie is None:
-            out.differ.append(f"{name}: decoded token {k} is {token}, a prefill of the {k} before it gives "
-                              f"{nxt.ids[0]}")
-        else:
-            out.ties.append(f"{name} at token {k} (logprobs {tie:.4f} apart)")
+        out.mismatch(name, k, _tie(token, lp, top, nxt.ids[0], nxt.logprobs[0], nxt.top[0], tie_nats),
+                     f"{name}: decoded token {k} is {token}, a prefill of the {k} before it gives {nxt.ids[0]}")
     return out

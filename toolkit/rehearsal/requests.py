@@ -109,6 +109,16 @@ print(json.dumps({"text": text, "tokens": len(tokenizer(text, add_special_tokens
 """
 
 
+def counted_as_rendered(record: RequestRecord, rendered: dict[str, Any], rendering: str,
+                        consequence: str = "") -> list[str]:
+    """The server's prompt_tokens against `rendering` (render_prompt's), for an answered request: the problem when
+    they differ, else none."""
+    if record.ok and record.prompt_tokens != rendered["tokens"]:
+        return [f"the server counted {record.prompt_tokens} prompt tokens, {rendering} has {rendered['tokens']}"
+                + consequence]
+    return []
+
+
 def render_prompt(python: Path, model: Path, argv: list[str], messages: list[dict[str, str]],
                   tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The served template's rendering of `messages` (and `tools`, as vLLM passes them to the template) with the

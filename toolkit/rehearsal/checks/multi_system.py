@@ -6,7 +6,14 @@ from __future__ import annotations
 from toolkit.bench import client
 from toolkit.rehearsal.checks.base import RehearsalCheck
 from toolkit.rehearsal.model import MAX_TOKENS, Check
-from toolkit.rehearsal.requests import SYSTEMS, multi_system_messages, problems, render_prompt, send
+from toolkit.rehearsal.requests import (
+    SYSTEMS,
+    counted_as_rendered,
+    multi_system_messages,
+    problems,
+    render_prompt,
+    send,
+)
 from toolkit.rehearsal.servers import Live
 
 
@@ -27,9 +34,7 @@ class MultiSystem(RehearsalCheck):
         missing = [i + 1 for i, text in enumerate(SYSTEMS) if text not in rendered["text"]]
         if missing:
             found.append(f"the served template's rendering lacks system message(s) {missing} of {len(SYSTEMS)}")
-        if record.ok and record.prompt_tokens != rendered["tokens"]:
-            found.append(f"the server counted {record.prompt_tokens} prompt tokens, the served template's rendering "
-                         f"has {rendered['tokens']}")
+        found += counted_as_rendered(record, rendered, "the served template's rendering")
         self.result = Check("multi-system", not found, "; ".join(found) or (
             f"{len(SYSTEMS)} system messages (two after user turns) accepted, max_completion_tokens alone limited "
             f"the answer to {record.completion_tokens} tokens; "

@@ -7,7 +7,7 @@ from typing import Any
 from toolkit.bench import client, workloads
 from toolkit.rehearsal.checks.base import RehearsalCheck
 from toolkit.rehearsal.model import Check
-from toolkit.rehearsal.requests import answered, render_prompt, send, tools_body
+from toolkit.rehearsal.requests import answered, counted_as_rendered, render_prompt, send, tools_body
 from toolkit.rehearsal.servers import Live
 from toolkit.runtime.tiny_model import CHAT_TEMPLATE
 
@@ -36,10 +36,8 @@ class Tools(RehearsalCheck):
         if unnamed and not stand_in:
             problems.append(f"the served template's rendering names {len(body['tools']) - len(unnamed)} of "
                             f"{len(body['tools'])} tools (not: {', '.join(unnamed[:4])})")
-        if record.ok and record.prompt_tokens != rendered["tokens"]:
-            problems.append(f"the server counted {record.prompt_tokens} prompt tokens, the served template's "
-                            f"rendering with the tools has {rendered['tokens']}: the schemas did not reach the prompt "
-                            "as rendered")
+        problems += counted_as_rendered(record, rendered, "the served template's rendering with the tools",
+                                        ": the schemas did not reach the prompt as rendered")
         self.result = Check("tools", not problems, "; ".join(problems) or (
             f"{check.detail}; prompt_tokens = the served template's rendering with every tool schema" if not stand_in
             else f"{check.detail}; prompt_tokens = the served template's rendering; the schemas in the prompt not "
