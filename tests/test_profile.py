@@ -153,7 +153,21 @@ def on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setattr(profiling, "_stack", [])
     monkeypatch.setattr(profiling, "_summaries", 0)
     monkeypatch.setattr(profiling, "_outermost_calls", 0)
+    monkeypatch.setattr(profiling, "_watchers", [])
     return tmp_path
+
+
+def test_a_watcher_sees_each_outermost_region_start_and_end_from_inside_it(on: Path) -> None:
+    seen: list[tuple[str, Any]] = []
+    profiling.watch(lambda: seen.append(("enter", profiling.current())),
+                    lambda: seen.append(("leave", profiling.current())))
+    assert profiling.current() is None
+    with profiling.region("step", 1), profiling.region("step.inner"):
+        seen.append(("inside", profiling.current()))
+    with profiling.region("alone", 5):
+        pass
+    assert seen == [("enter", ("decode", "step")), ("inside", ("decode", "step.inner")), ("leave", ("decode", "step")),
+                    ("enter", ("prefill", "alone")), ("leave", ("prefill", "alone"))]
 
 
 def test_regions_nest_buckets_follow_tokens_and_inherit(on: Path) -> None:

@@ -37,6 +37,7 @@ RECORD_ENV = "TOOLKIT_GPU_STANDINS_RECORD"  # a file the record is written to at
 RECORD_PID_ENV = "TOOLKIT_GPU_STANDINS_RECORD_PID"  # set by the first Python that records: the others write FILE.PID
 REFERENCES = Path(__file__).with_name("references")  # the CPU references (toolkit_references in the runtime)
 CPU_DEVICE = Path(__file__).with_name("cpu_device.py")  # the GPU path on CPU tensors (toolkit_cpu_device there)
+CENSUS = Path(__file__).with_name("census.py")  # what each step runs, counted (toolkit_census there)
 
 
 class StandInCalled(RuntimeError):
@@ -77,6 +78,21 @@ def _reference(name: str) -> Callable[..., Any] | None:
     return found
 
 
+def _direct(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return fn(*args, **kwargs)
+
+
+Caller = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+_caller: Caller = _direct
+
+
+def call_references_through(caller: Caller) -> None:
+    """Run every stand-in's CPU reference through `caller(name, reference, args, kwargs)` from now on in this
+    process (the census counts each call as one vendor kernel)."""
+    global _caller
+    _caller = caller
+
+
 class _StandInMeta(type):
     """The class of every stand-in attribute: attribute access gives more stand-ins, a call raises (or maps)."""
 
@@ -102,7 +118,7 @@ class _StandInMeta(type):
         if reference is not None:
             RECORD["calls"].append({"name": name, "where": where, "mapped": f"reference {name}"})
             RECORD["computed"][name] = RECORD["computed"].get(name, 0) + 1
-            return reference(*args, **kwargs)
+            return _caller(name, reference, args, kwargs)
         RECORD["calls"].append({"name": name, "where": where, "mapped": None})
         library = next((n for n in RECORD["libraries"] if name == n or name.startswith(n + ".")), name.split(".")[0])
         raise StandInCalled(f"{name} called from {where}: {library} is a GPU library of the image, stood in on this "
@@ -389,8 +405,9 @@ def shim_applied(name: str) -> None:
 
 SITECUSTOMIZE = '''\
 """Written by toolkit: in every Python the runtime starts (children included), the stand-ins for the GPU libraries
-named in TOOLKIT_GPU_STANDINS, the devices of TOOLKIT_EMULATED_DEVICES (see toolkit_standins) and, with
-TOOLKIT_CPU_DEVICE, the GPU path on CPU tensors (see toolkit_cpu_device)."""
+named in TOOLKIT_GPU_STANDINS, the devices of TOOLKIT_EMULATED_DEVICES (see toolkit_standins), with
+TOOLKIT_CPU_DEVICE the GPU path on CPU tensors (see toolkit_cpu_device) and with TOOLKIT_CENSUS the count of what
+each step runs (see toolkit_census)."""
 import json
 import os
 
@@ -415,6 +432,16 @@ if os.environ.get("TOOLKIT_CPU_DEVICE"):
 
         print(f"toolkit: {exc}", file=sys.stderr)
         os._exit(2)
+if os.environ.get("TOOLKIT_CENSUS"):
+    import toolkit_census
+
+    try:
+        toolkit_census.from_environment(os.environ)
+    except toolkit_census.CensusError as exc:
+        import sys
+
+        print(f"toolkit: {exc}", file=sys.stderr)
+        os._exit(2)
 '''
 
 
@@ -425,11 +452,12 @@ def site_dir(cache: Path) -> Path:
 
     source = Path(__file__).read_text(encoding="utf-8")
     references = sorted(REFERENCES.glob("*.py"))
-    folder = cache / f"standins-{build_key(SITECUSTOMIZE, files=[Path(__file__), CPU_DEVICE, *references])}"
+    folder = cache / f"standins-{build_key(SITECUSTOMIZE, files=[Path(__file__), CPU_DEVICE, CENSUS, *references])}"
     if not (folder / "sitecustomize.py").is_file():
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "toolkit_standins.py").write_text(source, encoding="utf-8")
         (folder / "toolkit_cpu_device.py").write_text(CPU_DEVICE.read_text(encoding="utf-8"), encoding="utf-8")
+        (folder / "toolkit_census.py").write_text(CENSUS.read_text(encoding="utf-8"), encoding="utf-8")
         (folder / "toolkit_references").mkdir(exist_ok=True)
         for reference in references:
             (folder / "toolkit_references" / reference.name).write_text(reference.read_text(encoding="utf-8"),

@@ -54,6 +54,8 @@ _stack: list[tuple[str, str]] = []  # (bucket, region) of the regions running no
 _notes: list[str] = []
 _outermost_calls = 0
 _summaries = 0
+# (enter, leave) called as an outermost region starts and ends: a census counting what runs inside each step
+_watchers: list[tuple[Callable[[], None], Callable[[], None]]] = []
 _device: Any = None  # torch.cuda when it is there and on (sync, NVTX); False when not
 
 
@@ -124,12 +126,18 @@ class _Timing:
                 self.cuda.synchronize()
             self.cuda.nvtx.range_push(f"{self.where}.{self.name}")
         _stack.append((self.where, self.name))
+        if len(_stack) == 1:
+            for enter, _ in _watchers:
+                enter()
         self.start = time.perf_counter_ns()
 
     def __exit__(self, *exc: object) -> None:
         if self.cuda and SYNC:
             self.cuda.synchronize()
         elapsed = time.perf_counter_ns() - self.start
+        if len(_stack) == 1:
+            for _, leave in _watchers:
+                leave()
         _stack.pop()
         if self.cuda:
             self.cuda.nvtx.range_pop()
@@ -214,6 +222,17 @@ def profiled(name: str, device: object = None) -> contextlib.AbstractContextMana
         return OFF
     inside = f"{_stack[-1][1]}.native_{name.replace('.', '_')}" if _stack else f"native.{name}"
     return _timed_region(inside, None, None, None)
+
+
+def current() -> tuple[str, str] | None:
+    """The (bucket, region) running now, the innermost; None outside every region."""
+    return _stack[-1] if _stack else None
+
+
+def watch(enter: Callable[[], None], leave: Callable[[], None]) -> None:
+    """Call `enter` as each outermost region starts (inside it: `current()` names it) and `leave` as it ends (still
+    inside it), in this process; nothing is called while profiling is off."""
+    _watchers.append((enter, leave))
 
 
 def note(line: str) -> None:

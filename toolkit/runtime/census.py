@@ -1,0 +1,293 @@
+"""What the served path runs on the device, counted op by op (TOOLKIT_CENSUS=DIR): every torch operation each step
+dispatches on this rank, with its FLOPs, the bytes its tensors span and its dtype, attributed to the probe region it
+runs in, and every vendor-library call (a stand-in's CPU reference) as one kernel of the image's library.
+
+A step is an outermost probe region (`step`, ModelRunner.execute_model, with TOOLKIT_PROFILE=1): the count starts as
+it starts and is written as it ends, one JSON line a step to DIR/census-<pid>.jsonl, so a worker killed at exit
+keeps every step it finished. What is counted, by rule:
+- a torch operation at the dispatcher (a `TorchDispatchMode`, below autograd and the function modes): a view or an
+  allocation launches nothing and is not counted; vLLM's own custom ops (`torch.ops.vllm.*`) are Python wrappers
+  whose insides are counted where they run (torch runs a custom op's kernel with the modes off: the vendor call in
+  it is counted by the stand-ins' hook, its torch ops are not), and c10d's are the CPU's transport of a vendor
+  collective;
+- FLOPs: torch's own formulas (`torch.utils.flop_counter`: matmuls, convolutions, attention) where torch has one,
+  attention on the CPU by the same formula (4 b h q k d), anything else one FLOP per output element;
+- bytes: each distinct tensor the operation reads or writes, once (a view of a weight counts the slice it spans;
+  a gather, such as indexing the selected experts' weights or an embedding, reads as many bytes as it writes);
+- a stand-in's call with a tensor (ixformer's all-reduce, attention, activations; not a group handle's) is one
+  kernel of the vendor's: its FLOPs are
+  those its CPU reference dispatched, its bytes its tensors'; an all-reduce is a collective of its tensor's bytes,
+  with no FLOPs (the device model prices it over the link).
+
+Copied beside the stand-ins as `toolkit_census` and installed by their sitecustomize when TOOLKIT_CENSUS is set;
+torch is imported when the first step starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+ENV = "TOOLKIT_CENSUS"
+PATTERN = "census-*.jsonl"
+# the vendor calls that move a tensor between ranks: priced over the link, not the card
+COLLECTIVES = frozenset({"ixformer.distributed.all_reduce", "ixformer.distributed.all_gather",
+                         "ixformer.distributed.reduce_scatter"})
+# operations that launch no kernel: an allocation (its memory is the caching allocator's), autograd's bookkeeping
+NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "detach_",
+                       "lift_fresh", "alias", "set_", "resize_", "record_stream"})
+# vLLM's custom ops wrap Python (what runs inside is counted where it runs); c10d's are the CPU's transport of a
+# vendor collective, counted as that collective
+WRAPPERS = frozenset({"vllm", "c10d"})
+OUTSIDE = "(outside every region)"
+# operations that read only the rows they gather from their first argument (an expert's weights, an embedding's rows)
+GATHERS = frozenset({"index", "index_select", "gather", "embedding", "take"})
+
+
+class CensusError(RuntimeError):
+    pass
+
+
+def _standins() -> types.ModuleType:
+    try:
+        return importlib.import_module("toolkit_standins")  # beside this file in the runtime
+    except ModuleNotFoundError:
+        from toolkit.runtime import standins  # the toolkit's side, in its tests
+
+        return standins
+
+
+class Tally:
+    """One step's (or one vendor call's) count: (region, op, dtype, kind, shapes) -> [calls, FLOPs, bytes]."""
+
+    def __init__(self) -> None:
+        self.ops: dict[tuple[str, str, str, str, str], list[float]] = {}
+
+    def add(self, region: str, op: str, dtype: str, kind: str, shapes: str, flops: float, nbytes: float) -> None:
+        entry = self.ops.setdefault((region, op, dtype, kind, shapes), [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += flops
+        entry[2] += nbytes
+
+    @property
+    def flops(self) -> float:
+        return sum(entry[1] for entry in self.ops.values())
+
+    def rows(self) -> list[list[Any]]:
+        return [[*key, int(calls), flops, nbytes] for key, (calls, flops, nbytes) in sorted(self.ops.items())]
+
+
+class Census:
+    """The counting in one process: `start()`/`stop()` around each step, `count` for each dispatched operation,
+    `vendor` around each stand-in's call; `region` names where the code runs now (the probes' innermost region)."""
+
+    def __init__(self, region: Callable[[], tuple[str, str] | None], write: Callable[[dict[str, Any]], None]):
+        self.region = region
+        self.write = write
+        self.steps = 0
+        self.tallies: list[Tally] = []  # the step's, then one per vendor call running inside it
+        self.bucket = "all"
+        self.mode: Any = None
+
+    def start(self) -> None:
+        import torch
+
+        where = self.region()
+        self.bucket = where[0] if where else "all"
+        self.tallies = [Tally()]
+        self.mode = _mode_class(torch)(self)
+        self.mode.__enter__()
+
+    def stop(self) -> None:
+        if self.mode is None:
+            return
+        self.mode.__exit__(None, None, None)
+        self.mode = None
+        self.steps += 1
+        self.write({"pid": os.getpid(), "rank": _rank(), "step": self.steps, "bucket": self.bucket,
+                    "ops": self.tallies[0].rows()})
+        self.tallies = []
+
+    def where(self) -> str:
+        found = self.region()
+        return found[1] if found else OUTSIDE
+
+    def count(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if not self.tallies:
+            return
+        rule = _RULES[func] if func in _RULES else _rule(func)
+        if rule is None:
+            return
+        label, formula, gather, attention = rule
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        tensors = ins + outs
+        if not tensors:
+            return
+        nbytes = _bytes(tensors)
+        if gather and ins and args and args[0] is ins[0]:  # the source is the first argument of each
+            nbytes += _bytes(outs) - _bytes(ins[:1])  # the rows it read are as many as it wrote
+        if formula is not None:
+            flops = float(formula(*args, **kwargs, out_val=out))
+        elif attention and len(ins) >= 2 and ins[0].dim() == 4:
+            batch, heads, q_len, size = ins[0].shape  # (batch, heads, tokens, head size)
+            flops = 4.0 * int(batch) * int(heads) * int(q_len) * int(ins[1].shape[-2]) * int(size)
+        else:
+            flops = float(max((t.numel() for t in outs), default=0))
+        shapes = ",".join("x".join(map(str, t.shape)) for t in ins[:2])
+        self.tallies[-1].add(self.where(), label, _dtype(tensors), "kernel", shapes, flops, nbytes)
+
+    def vendor(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.tallies:
+            return fn(*args, **kwargs)
+        inner = Tally()
+        self.tallies.append(inner)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.tallies.pop()
+        tensors = _tensors((args, kwargs, out))
+        if not tensors:  # a handle (a group, a stream): nothing launched
+            return out
+        dtype = _dtype(tensors)
+        if name in COLLECTIVES:  # priced by the buffer it moves over the link
+            largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+            self.tallies[-1].add(self.where(), name, dtype, "collective", _shapes(args), 0.0, float(largest))
+        else:
+            self.tallies[-1].add(self.where(), name, dtype, "vendor", _shapes(args), inner.flops, _bytes(tensors))
+        return out
+
+
+_MODES: dict[int, type] = {}
+
+
+def _mode_class(torch: Any) -> type:
+    """The dispatch mode (defined once torch is imported: this module imports without it)."""
+    if id(torch) not in _MODES:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+
+        class Counting(TorchDispatchMode):  # type: ignore[no-untyped-call]
+            def __init__(self, census: Census) -> None:
+                super().__init__()  # type: ignore[no-untyped-call]
+                self.census = census
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                                   kwargs: dict[str, Any] | None = None) -> Any:
+                kwargs = kwargs or {}
+                if func.namespace == "aten" and func.overloadpacket not in flop_registry:
+                    # a composite (linear, matmul, einsum) reaches the mode whole under inference mode: counted as
+                    # the kernels it decomposes into, as torch's own flop counter does
+                    with self:
+                        out = func.decompose(*args, **kwargs)
+                    if out is not NotImplemented:
+                        return out
+                out = func(*args, **kwargs)
+                self.census.count(func, args, kwargs, out)
+                return out
+
+        _MODES[id(torch)] = Counting
+    return _MODES[id(torch)]
+
+
+def _tensors(tree: Any) -> list[Any]:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+# per operation: None (launches nothing) or (its name, torch's FLOP formula, a gather, attention)
+_RULES: dict[Any, tuple[str, Any, bool, bool] | None] = {}
+
+
+def _rule(func: Any) -> tuple[str, Any, bool, bool] | None:
+    from torch.utils.flop_counter import flop_registry
+
+    name = func.overloadpacket.__name__
+    if func.namespace in WRAPPERS or name in NO_KERNEL or func.is_view:
+        _RULES[func] = None
+    else:
+        _RULES[func] = (f"{func.namespace}.{name}", flop_registry.get(func.overloadpacket), name in GATHERS,
+                        name.startswith("_scaled_dot_product"))
+    return _RULES[func]
+
+
+def _shapes(args: Any) -> str:
+    """The shapes of an operation's first two tensor arguments, e.g. `1x2048,512x2048`."""
+    return ",".join("x".join(map(str, t.shape)) for t in _tensors(args)[:2])
+
+
+def _bytes(tensors: list[Any]) -> float:
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...], Any]] = set()
+    total = 0
+    for tensor in tensors:
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return float(total)
+
+
+def _dtype(tensors: list[Any]) -> str:
+    """The widest floating dtype among the tensors (the one the kernel computes in), else the first one's."""
+    floating = [t for t in tensors if t.dtype.is_floating_point]
+    chosen = max(floating, key=lambda t: t.element_size()) if floating else tensors[0]
+    return str(chosen.dtype).removeprefix("torch.")
+
+
+def _rank() -> int | None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return None
+
+
+def _writer(folder: str) -> Callable[[dict[str, Any]], None]:
+    def write(line: dict[str, Any]) -> None:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"census-{os.getpid()}.jsonl"), "a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")
+
+    return write
+
+
+def read(folder: Any) -> list[dict[str, Any]]:
+    """Every step every process of a census wrote in `folder`, in each process's order."""
+    lines: list[dict[str, Any]] = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("census-") and name.endswith(".jsonl"):
+            with open(os.path.join(folder, name), encoding="utf-8") as source:
+                lines += [json.loads(line) for line in source if line.strip()]
+    return lines
+
+
+def install(folder: str) -> Census:
+    """Count every step of this process into `folder`: once the probes' profiling module is imported, each outermost
+    region is a step, and every stand-in's reference runs through the census."""
+    holder: dict[str, Any] = {}
+    census = Census(lambda: holder["profiling"].current() if "profiling" in holder else None, _writer(folder))
+    standins = _standins()
+
+    def hook(profiling: types.ModuleType) -> None:
+        holder["profiling"] = profiling
+        profiling.watch(census.start, census.stop)
+
+    standins.after_import("native_fastpaths.profiling", hook)
+    standins.call_references_through(census.vendor)
+    return census
+
+
+def from_environment(environ: Mapping[str, str]) -> Census | None:
+    """The one reader of TOOLKIT_CENSUS: unset or empty is off; an absolute folder turns the census on; anything
+    else is refused."""
+    value = environ.get(ENV, "")
+    if not value:
+        return None
+    if not os.path.isabs(value):
+        raise CensusError(f"{ENV}={value!r} is not an absolute folder: set it to one, or unset it")
+    return install(value)
