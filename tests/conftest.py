@@ -47,9 +47,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)  # made by pytest_configure above
 
 
-# the files whose tests start servers: one xdist scope, so no two of their servers run at once (a rehearsal refuses
-# to start beside another server, and each file's stray-process checks would count the other worker's)
-SERVER_FILES = frozenset({"test_bench_experiment.py", "test_bench_server.py", "test_rehearse.py"})
+# the files whose tests start servers (or an estimate's engine): one xdist scope, so no two of them run at once (a
+# rehearsal and an estimate refuse to start beside another server, and each file's stray-process checks would count
+# the other worker's)
+SERVER_FILES = frozenset({"test_bench_experiment.py", "test_bench_server.py", "test_rehearse.py",
+                          "test_estimate_census.py"})
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -299,7 +299,7 @@ def test_variants_drop_impossible_combinations(cli) -> None:
     result = cli("variants", FLAGSHIP, "--json")
     assert result.code == 0
     variants = {v["name"]: v for v in result.json()["variants"]}
-    assert len(variants) == 1 + 2 + 2 * 4 * 2 * 2
+    assert len(variants) == 1 + 3 + 2 * 4 * 2 * 2
     assert variants["base"]["status"] == "ok" and variants["no-sdpa-fallback"]["status"] == "ok"
     assert variants["kv-legacy40"]["status"] == "ok"
     dropped = {n for n, v in variants.items() if v["status"] == "DROPPED"}

@@ -18,6 +18,7 @@ from toolkit import __version__
 from toolkit.commands.bench import BenchRequest, ExperimentRequest, Load, bench, bench_compare, experiment
 from toolkit.commands.build import BuildRequest, build, check
 from toolkit.commands.common import Inputs
+from toolkit.commands.estimate import EstimateRequest, estimate
 from toolkit.commands.lint import LintRequest, lint, variants
 from toolkit.commands.preflight import PreflightRequest, preflight
 from toolkit.commands.profile import ProfileRequest, profile
@@ -33,10 +34,12 @@ from toolkit.results import Report
 vendor_pull, vendor_compare = pull, compare
 
 __all__ = [
-    "ApplyRequest", "BenchRequest", "BuildRequest", "CompareRequest", "DiffRequest", "ExperimentRequest", "Inputs",
+    "ApplyRequest", "BenchRequest", "BuildRequest", "CompareRequest", "DiffRequest", "EstimateRequest",
+    "ExperimentRequest", "Inputs",
     "LintRequest", "Load", "PreflightRequest", "ProfileRequest", "RehearseRequest", "Report", "ShowRequest",
     "ToolkitError", "VerifyRequest",
-    "__version__", "apply", "bench", "bench_compare", "build", "check", "diff", "experiment", "lint", "preflight",
+    "__version__", "apply", "bench", "bench_compare", "build", "check", "diff", "estimate", "experiment", "lint",
+    "preflight",
     "profile", "profile_compare", "rehearse", "schema_text", "show", "variants", "vendor_compare", "vendor_pull",
     "verify",
 ]

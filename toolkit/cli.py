@@ -161,18 +161,44 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         checks=tuple(args.check or ()), apply_to_rootfs=args.apply_to_copy, model=_path(args.model))), args)
 
 
+def _concurrency(text: str) -> tuple[int, ...]:
+    try:
+        concurrency = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ToolkitError(f"--concurrency {text!r}: expected numbers like 1,2,4") from None
+    if not concurrency or any(v < 1 for v in concurrency):
+        raise ToolkitError(f"--concurrency {text!r}: expected numbers >= 1, like 1,2,4")
+    return concurrency
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """What the platform would measure of each variant, predicted on this CPU before a platform cycle: the
+    variant's own engine runs on the patched tree (the rehearsal's stand-ins and shims) with the model at its real
+    widths and one full-attention interval of layers (dummy weights), while a census counts every operation each
+    step dispatches on each rank (shapes, dtype, FLOPs, bytes, the probe region it runs in). A device model prices
+    them on the recipe's hardware (bandwidth, peak, link) with constants fitted on the target's measurements (the
+    calibration file estimate.calibration names), and vLLM 0.6.3's scheduler is simulated step by step on the
+    workload: TTFT P90, Output TPS P10/P50, aggregate TPS and the official score, with the range the calibration
+    supports. --calibrate DIR fits the constants on TOOLKIT_PROFILE_SYNC=1 records from the target instead."""
+    from toolkit.commands import estimate as estimate_cmd
+
+    kind, *rest = args.workload
+    if len(rest) > 1 or (kind == "conversations") != bool(rest):
+        raise ToolkitError(f"--workload {' '.join(args.workload)}: expected short, tools or conversations FILE")
+    return _show(estimate_cmd.estimate(estimate_cmd.EstimateRequest(
+        Path(args.recipe), _inputs(args), args.variant, args.all_variants, kind, _path(rest[0] if rest else None),
+        _concurrency(args.concurrency), args.requests, args.max_tokens, _path(args.model_config),
+        _path(args.calibration), _path(args.output), _path(args.rootfs), _path(args.calibrate),
+        _path(args.write), args.tp)), args)
+
+
 def _load(args: argparse.Namespace) -> bench_cmd.Load:
     kind, *rest = args.workload
     if len(rest) > 1:
         raise ToolkitError(f"--workload {' '.join(args.workload)}: expected short, tools, conversations FILE or "
                            "replay FILE", hint="e.g. --workload conversations tests/data/conversations.jsonl")
-    try:
-        concurrency = tuple(int(v) for v in args.concurrency.split(",") if v.strip())
-    except ValueError:
-        raise ToolkitError(f"--concurrency {args.concurrency!r}: expected numbers like 1,2,4") from None
-    if not concurrency or any(v < 1 for v in concurrency):
-        raise ToolkitError(f"--concurrency {args.concurrency!r}: expected numbers >= 1, like 1,2,4")
-    return bench_cmd.Load(kind, Path(rest[0]) if rest else None, concurrency, args.requests, args.max_tokens,
+    return bench_cmd.Load(kind, Path(rest[0]) if rest else None, _concurrency(args.concurrency), args.requests,
+                          args.max_tokens,
                           args.ignore_eos, args.timeout, args.salt)
 
 
@@ -383,6 +409,28 @@ def build_parser() -> argparse.ArgumentParser:
         "always (asked only for checks of the comparison servers, the served server is not started)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_rehearse)
+
+    p = sub.add_parser("estimate", help="predict what the platform would measure of each variant (decode step, "
+                       "prefill, TTFT, TPS, score) from what its served path runs at the target's shapes",
+                       description=cmd_estimate.__doc__ or None)
+    _trees_options(p, model_config="the checkpoint's config.json: the layers are built at its widths (default: "
+                   "the recipe's model: section)")
+    p.add_argument("--workload", nargs="+", default=["short"], metavar="KIND [FILE]",
+                   help="short, tools (29 tool schemas) or conversations FILE (jsonl, as toolkit bench reads it)")
+    p.add_argument("--concurrency", default="1", metavar="N[,N...]", help="closed-loop clients, e.g. 1,2")
+    p.add_argument("--requests", type=int, default=8, help="requests (short, tools) or conversations")
+    p.add_argument("--max-tokens", type=int, default=128, help="answer tokens a request (each runs its full length)")
+    p.add_argument("--calibration", metavar="FILE", help="the device model's constants (default: the recipe's "
+                   "estimate.calibration)")
+    p.add_argument("--calibrate", metavar="DIR", help="fit the constants on TOOLKIT_PROFILE_SYNC=1 records from the "
+                   "target (`toolkit profile`'s input) with the chosen variant's census, and print the fit")
+    p.add_argument("--write", metavar="FILE", help="with --calibrate: write the calibration there (a new path)")
+    p.add_argument("--tp", type=int, metavar="N", help="the census's ranks (default: the recipe's own TP, at which "
+                   "the target runs; each rank is a process on this CPU)")
+    p.add_argument("-o", "--output", metavar="DIR", help="where the censuses' logs and records go (a new or empty "
+                   "folder; default: a new temporary folder, kept and named in the report)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("variants", help="list the expanded experiment variants with the lint result of each")
     p.add_argument("recipe", help="the recipe YAML")

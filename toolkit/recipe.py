@@ -176,6 +176,15 @@ class LinearAttention(Strict):
     conv_kernel: int = Field(default=4, ge=1)
 
 
+class MixtureOfExperts(Strict):
+    """The routed experts of each layer's MLP (the estimate builds its layers at these widths)."""
+
+    num_experts: int = Field(ge=1)
+    experts_per_token: int = Field(ge=1, description="top-k")
+    intermediate_size: int = Field(ge=1, description="each routed expert's intermediate width")
+    shared_intermediate_size: int = Field(default=0, ge=0, description="the shared expert's (0: none)")
+
+
 class ConfigFallback(Strict):
     """A model the reference tree and the stock transformers know, with the same attention shape."""
 
@@ -212,6 +221,9 @@ class ModelShape(Strict):
     num_kv_heads: int = Field(ge=1)
     head_dim: int = Field(ge=1)
     linear_attention: LinearAttention | None = None
+    moe: MixtureOfExperts | None = Field(default=None, description="The MLP's routed experts (toolkit estimate "
+                                         "counts the served path at these widths)")
+    vocab_size: int | None = Field(default=None, ge=1, description="The LM head's rows (toolkit estimate)")
     architecture: Identifier | None = Field(
         default=None, description="The architecture the served config.json declares, e.g. Qwen3_5MoeForCausalLM "
         "(preflight resolves it through the patched registry)")
@@ -326,6 +338,16 @@ class Checks(Strict):
     )
 
 
+class Estimate(Strict):
+    """What `toolkit estimate` needs besides the model: where its layers run, and its device model's constants."""
+
+    layer_region: str = Field(description="The probe region around each decoder layer (its operations are scaled "
+                              "from the counted interval to model.num_layers)")
+    calibration: str = Field(description="The calibration file (YAML: launch_us, bandwidth_fraction, "
+                             "compute_fraction, all_reduce_us, and what they were fitted on), relative to the "
+                             "recipe file; `toolkit estimate --calibrate DIR` writes one")
+
+
 class Recipe(Strict):
     name: str = Field(pattern=ID_PATTERN)
     description: str = ""
@@ -341,6 +363,7 @@ class Recipe(Strict):
     serve: Serve
     checks: Checks = Field(default_factory=Checks)
     model: ModelShape | None = Field(default=None, description="Model shape, for the KV-cache estimate")
+    estimate: Estimate | None = Field(default=None, description="toolkit estimate's layer region and calibration")
     sources: list[Source] = Field(default_factory=list, description="Pinned upstream sources")
     packages: list[Package] = Field(default_factory=list,
                                     description="Packages besides the vendor's that transforms edit")

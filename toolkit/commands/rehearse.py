@@ -39,7 +39,7 @@ class RehearseRequest:
     model: Path | None = None  # a checkpoint folder served instead of the tiny model built from the recipe
 
 
-def _served_tp(loaded: LoadedRecipe) -> int | None:
+def served_tp(loaded: LoadedRecipe) -> int | None:
     """The recipe's own tensor-parallel size (None: not set)."""
     from toolkit.bench.experiment import flag_value
     from toolkit.submission.render import argv
@@ -53,7 +53,7 @@ def _tp(loaded: LoadedRecipe, asked: int | None) -> int:
         if asked < 1:
             raise ToolkitError(f"--tp {asked}: a tensor-parallel size is 1 or more")
         return asked
-    served = _served_tp(loaded)
+    served = served_tp(loaded)
     return 2 if served is not None and served > 1 else 1
 
 
@@ -125,7 +125,7 @@ def rehearse(request: RehearseRequest) -> Report:
                            hint="add a `model:` section to the recipe, or pass --model-config DIR")
     refuse_unapplied(loaded, found, request)
     tp = _tp(loaded, request.tp)
-    served_tp = _served_tp(loaded)
+    recipe_tp = served_tp(loaded)
     if request.port is not None and port_in_use(request.port):
         raise ToolkitError(f"--port {request.port}: already taken on 127.0.0.1, nothing was started",
                            hint="stop what listens there, or leave --port out (a free port is chosen)")
@@ -135,7 +135,7 @@ def rehearse(request: RehearseRequest) -> Report:
     if request.model is not None:
         model = request.model.resolve()  # the servers run in the run folder: a relative path would not reach it
     else:
-        spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config, served_tp)
+        spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config, recipe_tp)
         model = tiny_model.build(spec, python, cache_dir() / "tiny-models")
     rehearsals = []
     with tempfile.TemporaryDirectory(prefix="toolkit-rehearse-tree-") as tmp:

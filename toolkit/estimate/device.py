@@ -9,11 +9,13 @@ plus a ring's traffic over the cards' link, 2 (n - 1) / n of the buffer each way
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from toolkit.errors import ToolkitError
 from toolkit.recipe import Hardware
+
+INTEGER_DTYPES = frozenset({"int64", "int32", "int16", "int8", "uint8", "bool", "none"})
 
 
 @dataclass(frozen=True)
@@ -69,27 +71,23 @@ class Op:
     bytes: float
     dtype: str
     collective: bool = False  # a TP all-reduce of `bytes`
+    calls: float = 1  # launches of it (FLOPs and bytes are all of them together); scaled layers make it fractional
+    shapes: str = ""  # its first tensor arguments' shapes, as the census saw them
 
     def __post_init__(self) -> None:
-        if self.flops < 0 or self.bytes < 0:
+        if self.flops < 0 or self.bytes < 0 or self.calls <= 0:
             raise ValueError(f"an operation's FLOPs and bytes cannot be negative: {self}")
 
 
 def seconds(op: Op, device: Device, calibration: Calibration) -> float:
-    """The operation's time on one rank."""
+    """The operation's time on one rank, all its calls (each an equal share of its FLOPs and bytes)."""
     if op.collective:
         if device.ranks == 1:
             return 0.0  # vLLM returns before reducing on one rank
         traffic = 2 * (device.ranks - 1) / device.ranks * op.bytes
-        return calibration.all_reduce_us * 1e-6 + traffic / (device.link_gbs * 1e9)
-    compute = op.flops / (device.peak(op.dtype) * calibration.compute_fraction)
+        return op.calls * calibration.all_reduce_us * 1e-6 + traffic / (device.link_gbs * 1e9)
+    # integer and boolean work (indices, masks) is priced at the fp32 peak; it is never the bound at these sizes
+    dtype = op.dtype if op.dtype in device.peak_tflops or op.dtype not in INTEGER_DTYPES else "float32"
+    compute = op.flops / (device.peak(dtype) * calibration.compute_fraction)
     memory = op.bytes / (device.bandwidth_gbs * 1e9 * calibration.bandwidth_fraction)
-    return calibration.launch_us * 1e-6 + max(compute, memory)
-
-
-def breakdown(ops: Iterable[Op], device: Device, calibration: Calibration) -> dict[str, float]:
-    """Seconds per region, in the order regions first appear."""
-    out: dict[str, float] = {}
-    for op in ops:
-        out[op.region] = out.get(op.region, 0.0) + seconds(op, device, calibration)
-    return out
+    return op.calls * calibration.launch_us * 1e-6 + max(compute, memory)

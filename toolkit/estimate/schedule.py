@@ -10,7 +10,9 @@ out, then the decodes it ran, the prefills it continued and the prefills it star
 prefill's next chunk. A prefix-cache hit is known when the request is first scheduled: its cached tokens
 are never computed, and a fully cached prompt still computes its last token (vLLM recomputes it to sample). A
 request's first token comes out of the step that computes the last piece of its prompt; each later step that runs it
-gives one more. Preemption, swapping and beam search are not simulated: the platform's workloads at the recipe's
+gives one more. Without chunked prefill (`Limits.chunked` off) the policy is 0.6.3's default one: a step prefills
+whole waiting prompts while they fit and then runs nothing else, or else decodes the running sequences. Preemption,
+swapping and beam search are not simulated: the platform's workloads at the recipe's
 `max-num-seqs` fit the KV cache (lint's kv-cache rule says when they would not).
 
 What a step costs is the caller's: `simulate` takes a function from a `Step` to seconds (toolkit.estimate.device
@@ -69,6 +71,7 @@ class Limits:
 
     max_num_batched_tokens: int
     max_num_seqs: int
+    chunked: bool = True  # --enable-chunked-prefill; off, vLLM 0.6.3's default policy (see `simulate`)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -133,6 +136,18 @@ def simulate(clients: Sequence[Sequence[Request]], limits: Limits, cost: StepCos
         budget, seqs = limits.max_num_batched_tokens, 0
         decodes: list[tuple[_Running, int]] = []
         chunks: list[tuple[_Running, Chunk]] = []
+        if not limits.chunked and waiting and len(running) < limits.max_num_seqs:
+            # 0.6.3's default policy: whole prompts while they fit, and a step that prefills decodes nothing
+            while (waiting and len(running) + len(chunks) < limits.max_num_seqs
+                   and waiting[0].request.prompt_tokens - waiting[0].computed <= budget):
+                seq = waiting.popleft()
+                take = seq.request.prompt_tokens - seq.computed
+                chunks.append((seq, Chunk(take, seq.computed)))
+                budget -= take
+            if not chunks:
+                raise RuntimeError(f"a prompt of {waiting[0].request.prompt_tokens} tokens does not fit "
+                                   f"--max-num-batched-tokens {limits.max_num_batched_tokens} without chunked prefill")
+            budget = 0  # nothing else runs beside them
         for seq in running:
             if seqs >= limits.max_num_seqs or budget == 0:
                 break
@@ -144,8 +159,8 @@ def simulate(clients: Sequence[Sequence[Request]], limits: Limits, cost: StepCos
                 decodes.append((seq, seq.request.prompt_tokens + seq.produced))
             budget -= take
             seqs += 1
-        from_running = len(chunks)
-        while waiting and budget > 0 and seqs < limits.max_num_seqs:
+        from_running = 0 if not limits.chunked else len(chunks)
+        while limits.chunked and waiting and budget > 0 and seqs < limits.max_num_seqs:
             seq = waiting.popleft()
             take = min(seq.request.prompt_tokens - seq.computed, budget)
             chunks.append((seq, Chunk(take, seq.computed)))

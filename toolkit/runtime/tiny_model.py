@@ -106,6 +106,43 @@ def tiny_spec(model: Any, tp: int, model_config: Path | None = None, served_tp: 
             **({"tensor_names": real_names(model_config)} if model_config and _index(model_config).is_file() else {})}
 
 
+def wide_config(model: Any, model_config: Path | None = None) -> tuple[dict[str, Any], int]:
+    """The config.json of the served model at its real widths with one full-attention interval of layers (what
+    `toolkit estimate` counts, each layer kind once; the weights are vLLM's dummy ones), and the served model's
+    layer count: the checkpoint's own config cut to those layers where `model_config` is given, else built from the
+    recipe's `model:` (the composite hybrid config, which needs `moe` and `vocab_size` there)."""
+    from toolkit.errors import ToolkitError
+
+    if model_config is not None:
+        config = _read_json(model_config / "config.json")
+        text = config.get("text_config", config)
+        layers = int(text["num_hidden_layers"])
+        interval = int(text.get("full_attention_interval", 1))
+        text["num_hidden_layers"] = interval
+        if isinstance(text.get("layer_types"), list):
+            text["layer_types"] = text["layer_types"][:interval]
+        return dict(config), layers
+    if not model.text_config or model.linear_attention is None:
+        raise ToolkitError(f"no wide model of {model.architecture} without its config: the recipe's `model:` "
+                           "describes only the composite hybrid config (Qwen3.5/3.6) fully",
+                           hint="pass --model-config DIR (the checkpoint's config.json)")
+    if model.moe is None or model.vocab_size is None:
+        raise ToolkitError("the recipe's model: gives no moe (experts, top-k, widths) or vocab_size, which the wide "
+                           "model is built at", hint="add them under model:, or pass --model-config DIR")
+    linear, moe = model.linear_attention, model.moe
+    spec = {"architecture": model.architecture, "model_type": model.model_type, "dtype": model.dtype,
+            "hidden_size": model.hidden_size, "num_hidden_layers": model.full_attention_interval,
+            "num_attention_heads": model.num_attention_heads or model.hidden_size // model.head_dim,
+            "num_key_value_heads": model.num_kv_heads, "head_dim": model.head_dim, "vocab_size": model.vocab_size,
+            "full_attention_interval": model.full_attention_interval,
+            "linear_num_key_heads": linear.num_key_heads, "linear_num_value_heads": linear.num_value_heads,
+            "linear_key_head_dim": linear.key_head_dim, "linear_value_head_dim": linear.value_head_dim,
+            "linear_conv_kernel_dim": linear.conv_kernel, "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.experts_per_token, "moe_intermediate_size": moe.intermediate_size,
+            "shared_expert_intermediate_size": moe.shared_intermediate_size}
+    return _hybrid_config(spec, {"bos_token_id": 0, "eos_token_id": 1}), model.num_layers
+
+
 def _index(folder: Path) -> Path:
     return folder / "model.safetensors.index.json"
 

@@ -1,0 +1,155 @@
+"""toolkit estimate end to end: the census runs the variant's own engine on the patched tree in the CPU runtime (a
+narrow model of the flagship's architecture at TP 2, to keep the suite's time), and what it counts changes with the
+code path a variant switches; --calibrate fits on the records such a run writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FLAGSHIP, REPO
+
+from toolkit.commands.common import Inputs
+from toolkit.commands.estimate import EstimateRequest, estimate
+from toolkit.errors import ToolkitError
+from toolkit.recipe import load_recipe
+from toolkit.runtime import tiny_model
+
+NATIVE = "step.model_forward.layer.moe.routed.native_"
+
+
+def _narrow_config(folder: Path) -> Path:
+    """The flagship's model with every width cut (the layer pattern, head ratios and expert routing kept)."""
+    model = load_recipe(FLAGSHIP).recipe.model
+    assert model is not None and model.moe is not None and model.linear_attention is not None
+    narrow = model.model_copy(update={
+        "hidden_size": 256, "head_dim": 64, "num_attention_heads": 8, "vocab_size": 1024,
+        "moe": model.moe.model_copy(update={"num_experts": 16, "experts_per_token": 4, "intermediate_size": 64,
+                                            "shared_intermediate_size": 64}),
+        "linear_attention": model.linear_attention.model_copy(update={"key_head_dim": 32, "value_head_dim": 64})})
+    config, _ = tiny_model.wide_config(narrow)  # one interval of layers: the checkpoint's config has all 40
+    text = config["text_config"]
+    text["num_hidden_layers"] = model.num_layers
+    text["layer_types"] = text["layer_types"] * (model.num_layers // len(text["layer_types"]))
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+def _recipe(folder: Path) -> Path:
+    """A copy of the flagship (its layers and calibration beside it) with one variant that turns the native MoE off
+    and nothing else, and none of its grid."""
+    for name in ("recipes", "layers"):
+        shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+    recipe = folder / "recipes" / FLAGSHIP.name
+    head, _, _ = recipe.read_text(encoding="utf-8").partition("\nvariants:")
+    recipe.write_text(head + "\nvariants:\n  moe-adapter:\n    env:\n      MOE_NATIVE: \"0\"\n", encoding="utf-8")
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def switched(tmp_path_factory: pytest.TempPathFactory, adapter_args: list[str]) -> tuple[Any, Path, Inputs, Path]:
+    work = tmp_path_factory.mktemp("estimate")
+    name, _, where = adapter_args[1].partition("=")
+    inputs = Inputs(sources={name: where})
+    recipe, config = _recipe(work), _narrow_config(work / "config")
+    report = estimate(EstimateRequest(recipe, inputs, all_variants=True, concurrency=(1, 2), requests=4,
+                                      max_tokens=16, model_config=config, tp=2, output=work / "run"))
+    return report, recipe, inputs, config
+
+
+def test_the_native_moe_switch_changes_the_count_and_the_prediction(switched: tuple[Any, Path, Inputs, Path]
+                                                                    ) -> None:
+    report, *_ = switched
+    assert report.exit_code == 0, report.as_json()
+    variants = report.extra["variants"]
+    native, adapter = variants["base"], variants["moe-adapter"]
+    assert any(region.startswith(NATIVE) for region in native["decode_regions"])
+    assert not any(region.startswith(NATIVE) for region in adapter["decode_regions"])
+    routed = "step.model_forward.layer.moe.routed"
+    assert native["decode_regions"][routed] != adapter["decode_regions"][routed]
+    assert native["decode_step_ms"] != adapter["decode_step_ms"]
+    assert [r["output_tps_agg"] for r in native["runs"]] != [r["output_tps_agg"] for r in adapter["runs"]]
+    for variant in (native, adapter):
+        # the layers' operations are scaled from the counted interval (4 layers) to the flagship's 40
+        assert variant["decode_regions"]["step.model_forward.layer.moe.all_reduce"]["launches"] == pytest.approx(40)
+        assert [run["requests"] for run in variant["runs"]] == [4, 4]
+        assert all(run["ttft_p90_ms"] > 0 and run["output_tps_agg"] > 0 for run in variant["runs"])
+    assert any("ranking at c=2 by predicted score" in note for note in report.notes)
+    assert _census_processes() == [], "no rank of a census outlives it"
+
+
+def _census_processes() -> list[int]:
+    """Processes started with the census switch in their environment (a census's driver or ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"TOOLKIT_CENSUS=" in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tuple[Any, Path, Inputs, Path],
+                                                                     tmp_path: Path) -> None:
+    report, recipe, inputs, config = switched
+    records = Path(report.extra["variants"]["moe-adapter"]["census"]) / "profile"
+    written = tmp_path / "fitted.yaml"
+    fitted = estimate(EstimateRequest(recipe, inputs, variant="moe-adapter", tp=2, calibrate=records,
+                                      model_config=config, write=written, output=tmp_path / "run"))
+    calibration = fitted.extra["calibration"]
+    assert written.is_file() and calibration["launch_us"] > 0
+    assert {"step.model_forward.layer.moe", "step.model_forward.layer.gdn"} <= set(calibration["regions"])
+    # the written file is what the next estimate reads
+    again = estimate(EstimateRequest(recipe, inputs, variant="moe-adapter", tp=2, calibration=written,
+                                     requests=2, max_tokens=4, model_config=config, output=tmp_path / "again"))
+    assert again.extra["calibration"]["launch_us"] == pytest.approx(calibration["launch_us"])
+    with pytest.raises(ToolkitError, match="exists; nothing was fitted"):
+        estimate(EstimateRequest(recipe, inputs, calibrate=records, write=written))
+    unsynced = tmp_path / "unsynced"
+    unsynced.mkdir()
+    for source in records.glob("profile-*.jsonl"):
+        lines = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines()]
+        (unsynced / source.name).write_text("".join(json.dumps({**line, "sync": False}) + "\n" for line in lines),
+                                            encoding="utf-8")
+    with pytest.raises(ToolkitError, match="without TOOLKIT_PROFILE_SYNC=1"):
+        estimate(EstimateRequest(recipe, inputs, calibrate=unsynced))
+
+
+def test_what_the_estimate_cannot_run_is_refused_before_a_census(tmp_path: Path) -> None:
+    with pytest.raises(ToolkitError, match="--workload replay: not one of"):
+        estimate(EstimateRequest(FLAGSHIP, workload="replay"))
+    with pytest.raises(ToolkitError, match="each concurrency is 1 or more"):
+        estimate(EstimateRequest(FLAGSHIP, concurrency=(0,)))
+    with pytest.raises(ToolkitError, match="no estimate: section"):
+        estimate(EstimateRequest(FLAGSHIP.parent / "bi100-qwen25.yaml"))
+    missing = tmp_path / "none.yaml"
+    with pytest.raises(ToolkitError, match=r"calibration file .*none\.yaml does not exist"):
+        estimate(EstimateRequest(FLAGSHIP, calibration=missing))
+
+
+def test_a_census_stopped_by_sigterm_leaves_no_rank_running(switched: tuple[Any, Path, Inputs, Path],
+                                                             tmp_path: Path, adapter_args: list[str]) -> None:
+    """Its ranks busy-wait on their driver: a census interrupted part-way must take all of them down."""
+    _, recipe, _, config = switched
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "toolkit", "estimate", str(recipe), *adapter_args,
+                                "--model-config", str(config), "--tp", "2", "-o", str(out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = out / "base" / "census.log"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and "[census]" not in (log.read_text() if log.is_file() else ""):
+        time.sleep(0.5)
+    assert _census_processes(), "the census was running"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 128 + signal.SIGTERM
+    time.sleep(1)
+    assert _census_processes() == []

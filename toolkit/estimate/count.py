@@ -1,0 +1,234 @@
+"""What the served path runs at the target's shapes, per rank and step: the variant's own engine, on the patched tree
+with the rehearsal's stand-ins and shims, serving the model at its real widths with one full-attention interval of
+layers (vLLM's dummy weights: random, so the experts a token routes to are decided as data decides them), stepped
+through prefills and decodes of known shapes while the census (toolkit.runtime.census) counts every operation.
+
+The layers' operations (those under the recipe's `estimate.layer_region`, the probe around each decoder layer) are
+scaled from the interval to the model's layer count; the rest (embedding, final norm, LM head, sampling) are not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolkit.bench import experiment
+from toolkit.errors import ToolkitError
+from toolkit.estimate.device import Op
+from toolkit.recipe import Recipe
+from toolkit.runtime import census, census_steps
+
+Say = Callable[[str], None]
+CENSUS_TIMEOUT_S = 1800.0
+BLOCK_TOKENS = 16  # vLLM 0.6.3's default block size
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The step shapes the census runs: each prefill length alone, twice, then each batch prefilled and decoded for
+    a few steps. A path's first call may do one-off work (the native MoE's `auto` times its candidates, a cache is
+    filled), on any rank: each shape is counted more than once, and priced by each rank's cheapest count of it."""
+
+    prefills: tuple[int, ...] = (16, 16, 256, 256, 2048, 2048)
+    batches: tuple[int, ...] = (1, 2)
+    decode_prompt: int = 64
+    decode_steps: int = 3
+
+    @property
+    def max_model_len(self) -> int:
+        longest = max([*self.prefills, self.decode_prompt + self.decode_steps + 1])
+        return -(-longest // 1024) * 1024 + 1024
+
+    @property
+    def batched_tokens(self) -> int:
+        return max(self.max_model_len, max(self.batches) * self.decode_prompt)
+
+
+@dataclass
+class CountedStep:
+    """One engine step of the census: its shape and each rank's operations, scaled to the model's layers."""
+
+    decodes: tuple[int, ...]
+    prefills: tuple[int, ...]
+    ranks: dict[int, list[Op]] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decodes) + sum(self.prefills)
+
+
+@dataclass
+class Counted:
+    """A variant's census: its steps, where its logs are, what the census changed of the served argv."""
+
+    steps: list[CountedStep]
+    folder: Path
+    changed: list[str]
+    layer_scale: float
+    seconds: float
+    # per bucket, each probe region's entries a step on rank 0, the layers' scaled (what a synchronising profiler
+    # pays at each region's boundaries)
+    entries: dict[str, dict[str, float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the served path said it chose (profiling notes)
+
+
+def census_argv(run_config: str, python: Path, model: Path, tp: int, plan: Plan) -> tuple[list[str], dict[str, str],
+                                                                                          list[str]]:
+    """The variant's server argv as the engine's parser takes it, with what the census needs said: the wide model
+    with dummy weights and no tokenizer, the served TP, lengths and blocks for the plan's steps."""
+    argv, env = experiment.server_command(run_config, python, model, 0)
+    changes = [("--tensor-parallel-size", str(tp)), ("--max-model-len", str(plan.max_model_len)),
+               ("--max-num-batched-tokens", str(plan.batched_tokens)),
+               ("--max-num-seqs", str(max(plan.batches))), ("--load-format", "dummy"),
+               ("--num-gpu-blocks-override", str(2 * plan.batched_tokens // BLOCK_TOKENS)), ("--swap-space", "0")]
+    said = []
+    for flag, value in changes:
+        before = experiment.flag_value(argv, flag)
+        argv = experiment.set_flag(argv, flag, value)
+        if before != value:
+            said.append(f"{flag} {before or '(not given)'} -> {value}")
+    if "--skip-tokenizer-init" not in argv:
+        argv.append("--skip-tokenizer-init")
+        said.append("--skip-tokenizer-init (the wide model has no tokenizer)")
+    module = argv.index("-m")
+    return argv[module + 2:], env, said
+
+
+def _steps(folder: Path, labels: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Each rank's last len(labels) steps (the ones before are the engine's profile run)."""
+    by_pid: dict[int, list[dict[str, Any]]] = {}
+    for line in census.read(folder):
+        by_pid.setdefault(int(line["pid"]), []).append(line)
+    ranks: dict[int, list[dict[str, Any]]] = {}
+    for lines in by_pid.values():
+        if len(lines) < len(labels):
+            continue  # a process that ran no engine step of ours (a registry check, a tokenizer child)
+        rank = lines[-1]["rank"]
+        ranks[int(rank) if rank is not None else 0] = lines[-len(labels):]
+    return ranks
+
+
+def operations(rows: list[list[Any]], layer_region: str, scale: float) -> list[Op]:
+    """A step's census rows as priced operations, the layers' scaled to the model's count."""
+    ops = []
+    for region, name, dtype, kind, shapes, calls, flops, nbytes in rows:
+        factor = scale if region == layer_region or region.startswith(layer_region + ".") else 1.0
+        ops.append(Op(name, region, flops * factor, nbytes * factor, dtype, collective=kind == "collective",
+                      calls=calls * factor, shapes=shapes))
+    return ops
+
+
+def count(recipe: Recipe, run_config: str, env_extra: dict[str, str], python: Path, model: Path, tp: int,
+          folder: Path, layers: int, census_layers: int, layer_region: str, plan: Plan, say: Say) -> Counted:
+    """The census of one variant: its engine run by `python` (the CPU runtime) with `env_extra` (the stand-ins'
+    environment, the patched tree on PYTHONPATH), its records in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    args, env, changed = census_argv(run_config, python, model, tp, plan)
+    records = folder / "census"
+    labels_file = folder / "steps.json"
+    plan_file = folder / "plan.json"
+    plan_file.write_text(json.dumps({"args": args, "prefills": list(plan.prefills), "batches": list(plan.batches),
+                                     "decode_prompt": plan.decode_prompt, "decode_steps": plan.decode_steps,
+                                     "vocab": 640, "labels": str(labels_file)}), encoding="utf-8")
+    # on a CPU every operation has ended when it returns: the census run's own region times are attributed as a
+    # synchronised profile's are (its records can be fitted on, as the target's)
+    full_env = {**env, **env_extra, "TOOLKIT_PROFILE": "1", "TOOLKIT_PROFILE_SYNC": "1",
+                "TOOLKIT_PROFILE_DIR": str(folder / "profile"), census.ENV: str(records.resolve())}
+    log = folder / "census.log"
+    say(f"estimate: counting the served path at TP {tp} (prefills of {', '.join(map(str, sorted(set(plan.prefills))))} "
+        f"tokens, batches "
+        f"{', '.join(map(str, plan.batches))}; log {log})")
+    started = time.monotonic()
+    with log.open("w", encoding="utf-8") as out, _terminated_as_exit():
+        process = subprocess.Popen([str(python), census_steps.__file__, str(plan_file)], cwd=folder, env=full_env,
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        code: int | None = None
+        try:
+            code = process.wait(CENSUS_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            # the engine's workers are in its session, and spin when their driver is gone: none outlives the census,
+            # however it ends (an error, Ctrl-C, a SIGTERM)
+            _kill_group(process.pid)
+    elapsed = time.monotonic() - started
+    if code != 0:
+        tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
+        why = f"ran past {CENSUS_TIMEOUT_S:.0f} s" if code is None else f"exited {code}"
+        raise ToolkitError(f"the census of the served path {why} (log {log}):\n{tail}",
+                           hint="the same tree and env start in `toolkit rehearse`: rehearse the variant first")
+    counted = read(folder, tp, layers, census_layers, layer_region)
+    say(f"estimate: counted {len(counted.steps)} steps on {tp} rank(s) in {elapsed:.0f} s")
+    return Counted(counted.steps, folder, changed, counted.layer_scale, elapsed, counted.entries, counted.notes)
+
+
+def read(folder: Path, tp: int, layers: int, census_layers: int, layer_region: str) -> Counted:
+    """A census run's steps as its folder holds them (steps.json, census/, profile/)."""
+    labels = json.loads((folder / "steps.json").read_text(encoding="utf-8"))
+    records = folder / "census"
+    per_rank = _steps(records, labels)
+    if len(per_rank) != tp:
+        raise ToolkitError(f"the census counted {len(per_rank)} rank(s) at TP {tp} (records in {records})",
+                           hint="each rank counts inside the probes' `step` region: does the recipe include the "
+                           "probes layer (TOOLKIT_PROFILE=1)?")
+    scale = layers / census_layers
+    steps = [CountedStep(tuple(label["decodes"]), tuple(label["prefills"])) for label in labels]
+    for rank, lines in per_rank.items():
+        for step, line in zip(steps, lines, strict=True):
+            step.ranks[rank] = operations(line["ops"], layer_region, scale)
+    if not any(op.region.startswith(layer_region) for op in steps[0].ranks[min(per_rank)]):
+        raise ToolkitError(f"no operation ran in the layer region {layer_region!r}: its layers would not be scaled "
+                           f"to the model's {layers}", hint="estimate.layer_region names the probe region around "
+                           "each decoder layer (layers/qwen36-adapter.yaml's probe-decoder-layer)")
+    entries, notes = region_entries(folder / "profile", layer_region, scale)
+    return Counted(steps, folder, [], scale, 0.0, entries, notes)
+
+
+def region_entries(profile: Path, layer_region: str, scale: float) -> tuple[dict[str, dict[str, float]], list[str]]:
+    """Per bucket, how often each region is entered a step on rank 0 (its calls over the `step` region's, from the
+    census run's own TOOLKIT_PROFILE records), the layers' scaled; and the processes' notes."""
+    from toolkit.bench.profile import load
+
+    processes = load([profile])
+    first = min(processes, key=lambda p: (p.rank is None, p.rank or 0))
+    counts: dict[str, dict[str, float]] = {}
+    for (bucket, region), (calls, _, _) in first.regions.items():
+        counts.setdefault(bucket, {})[region] = float(calls)
+    out: dict[str, dict[str, float]] = {}
+    for bucket, per_region in counts.items():
+        steps = per_region.get("step") or 1.0
+        out[bucket] = {region: n / steps * (scale if region == layer_region or region.startswith(layer_region + ".")
+                                            else 1.0) for region, n in per_region.items()}
+    return out, sorted({note for p in processes for note in p.notes})
+
+
+@contextlib.contextmanager
+def _terminated_as_exit() -> Iterator[None]:
+    """A SIGTERM to this process unwinds it (SystemExit) while the census runs, so its group is stopped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+

@@ -1,0 +1,173 @@
+"""A variant's counted steps priced on the device, and a workload's run simulated with them: what `toolkit bench`
+would report of it on the target.
+
+A step's time is its slowest rank's, each operation priced by `device.seconds`. The census counts a few step shapes
+(`count.Plan`); any other step is priced from them:
+- a decode-only step of b sequences: the counted decodes of b sequences, interpolated or extrapolated linearly
+  between the counted batch sizes;
+- a step with prefill tokens: the counted single prefills, linear in the step's tokens between the counted lengths
+  (and beyond the longest, along its last segment), its decodes counted as prefill tokens (one forward runs them
+  all, and the served MoE and GatedDeltaNet paths take their multi-token branch for it).
+Not modelled: attention's growth with the context (at these lengths a few percent of a decode step: the KV reads of
+10 full-attention layers), host work outside the step (the scheduler, the front end, streaming), and the variance of
+routing (each counted step routes its own random tokens).
+
+Prompt lengths come from the workload's text at CHARS_PER_TOKEN, unless given: a workload's token counts are the
+served tokenizer's, which this machine does not have.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from toolkit.bench.client import Conversation
+from toolkit.bench.metrics import summarize
+from toolkit.estimate.count import Counted, CountedStep
+from toolkit.estimate.device import Calibration, Device, Op, seconds
+from toolkit.estimate.schedule import Limits, Request, Step, Timeline, simulate
+
+CHARS_PER_TOKEN = 4.0  # English text and JSON through a BPE vocabulary of this size: a stated approximation
+BLOCK_TOKENS = 16  # a prefix-cache hit is whole KV blocks
+
+
+def step_seconds(step: CountedStep, device: Device, calibration: Calibration) -> float:
+    """The counted step's time: its slowest rank's."""
+    return max(sum(seconds(op, device, calibration) for op in ops) for ops in step.ranks.values())
+
+
+def regions(ops: Sequence[Op], device: Device, calibration: Calibration) -> dict[str, dict[str, float]]:
+    """Per region (its own operations, not its children's): seconds, launches, FLOPs, bytes."""
+    out: dict[str, dict[str, float]] = {}
+    for op in ops:
+        entry = out.setdefault(op.region, {"seconds": 0.0, "launches": 0.0, "flops": 0.0, "bytes": 0.0})
+        entry["seconds"] += seconds(op, device, calibration)
+        entry["launches"] += op.calls
+        entry["flops"] += op.flops
+        entry["bytes"] += op.bytes
+    return out
+
+
+def inclusive(own: dict[str, dict[str, float]], region: str) -> float:
+    """A region's seconds with everything that ran inside it (its dotted children)."""
+    return sum(v["seconds"] for name, v in own.items() if name == region or name.startswith(region + "."))
+
+
+def _line(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through `points` (sorted by x), extended along the end segments."""
+    if len(points) == 1:
+        return points[0][1] * (x / points[0][0] if points[0][0] else 1.0)
+    xs = [p[0] for p in points]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+Shape = tuple[str, int]  # ("decode", sequences) or ("prefill", tokens)
+
+
+def shape_of(step: CountedStep) -> Shape | None:
+    """The shape a counted step prices: a decode of b sequences, or one prefill alone (a batch's joint prefill is
+    not used)."""
+    if step.decodes and not step.prefills:
+        return ("decode", len(step.decodes))
+    if len(step.prefills) == 1 and not step.decodes:
+        return ("prefill", step.prefills[0])
+    return None
+
+
+class StepCost:
+    """Seconds for any scheduler step, from the variant's counted steps (see the module's rules). Each shape's time
+    is each rank's cheapest count of it (one-off work of a path's first call is left out), on the slowest rank."""
+
+    def __init__(self, counted: Counted, device: Device, calibration: Calibration) -> None:
+        self.device, self.calibration = device, calibration
+        cheapest: dict[Shape, dict[int, tuple[float, list[Op]]]] = {}
+        for step in counted.steps:
+            shape = shape_of(step)
+            if shape is None:
+                continue
+            for rank, ops in step.ranks.items():
+                priced = sum(seconds(op, device, calibration) for op in ops)
+                best = cheapest.setdefault(shape, {})
+                if rank not in best or priced < best[rank][0]:
+                    best[rank] = (priced, ops)
+        self.ops = {shape: ranks[min(ranks)][1] for shape, ranks in sorted(cheapest.items())}  # rank 0's
+        points = {shape: max(priced for priced, _ in ranks.values()) for shape, ranks in sorted(cheapest.items())}
+        self.decode_points = [(float(n), t) for (kind, n), t in points.items() if kind == "decode"]
+        self.prefill_points = [(float(n), t) for (kind, n), t in points.items() if kind == "prefill"]
+        if not self.decode_points or not self.prefill_points:
+            raise ValueError("a census needs a counted decode step and a counted single prefill to price steps")
+
+    def __call__(self, step: Step) -> float:
+        if not step.prefills:
+            return max(_line(self.decode_points, len(step.decodes)), 0.0)
+        return max(_line(self.prefill_points, step.tokens), 0.0)
+
+
+def prompt_tokens(text: str) -> int:
+    return max(1, round(len(text) / CHARS_PER_TOKEN))
+
+
+def _cached(prefix_chars: int) -> int:
+    tokens = int(prefix_chars / CHARS_PER_TOKEN)
+    return tokens - tokens % BLOCK_TOKENS
+
+
+def _common(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def requests(conversations: Sequence[Conversation], concurrency: int, max_tokens: int) -> list[list[Request]]:
+    """The workload's requests dealt to `concurrency` closed-loop clients in turn (each conversation's turns in
+    order on one client), each prompt's length and prefix-cache hit from its text: the text of the system, the
+    tools, and each turn (an earlier turn's answer counted at its max_tokens); a hit is the longest text it shares
+    with a prompt an earlier request of its own client, or a request before the first round, sent, in whole
+    blocks."""
+    clients: list[list[Request]] = [[] for _ in range(concurrency)]
+    seen: list[list[str]] = [[] for _ in range(concurrency)]
+    shared: list[str] = []  # the prompts of requests finished before the clients' first round ends
+    for index, conv in enumerate(conversations):
+        client = index % concurrency
+        head = json.dumps({"system": conv.system, "tools": conv.tools}) if conv.system or conv.tools else ""
+        history = head
+        for turn_index, turn in enumerate(conv.turns):
+            answer_tokens = turn.max_tokens or max_tokens
+            text = history + turn.user
+            earlier = seen[client] + (shared if index >= concurrency else [])
+            hit = max((_common(text, other) for other in earlier), default=0)
+            tokens = prompt_tokens(text)
+            clients[client].append(Request(tokens, answer_tokens, min(_cached(hit), tokens), conv.id, turn_index))
+            seen[client].append(text)
+            history = text + (turn.assistant or "x" * int(answer_tokens * CHARS_PER_TOKEN))
+        if index < concurrency:
+            shared.extend(seen[client])
+    return clients
+
+
+@dataclass
+class Prediction:
+    """One variant's predicted run of one workload at one concurrency."""
+
+    concurrency: int
+    metrics: dict[str, Any]
+    timeline: Timeline
+
+    def as_json(self) -> dict[str, Any]:
+        keys = ("requests", "ttft_p50_ms", "ttft_p90_ms", "output_tps_e2e_p10", "output_tps_e2e_p50",
+                "output_tps_agg", "cache_hit_rate", "official_replay_score", "wall_time_s")
+        return {"concurrency": self.concurrency, **{k: self.metrics.get(k) for k in keys},
+                "steps": len(self.timeline.steps)}
+
+
+def predict(cost: StepCost, limits: Limits, clients: list[list[Request]]) -> Prediction:
+    timeline = simulate(clients, limits, cost)
+    return Prediction(len(clients), summarize(timeline.records, timeline.wall_s), timeline)
