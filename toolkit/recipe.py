@@ -346,6 +346,10 @@ class Estimate(Strict):
     calibration: str = Field(description="The calibration file (YAML: launch_us, bandwidth_fraction, "
                              "compute_fraction, all_reduce_us, and what they were fitted on), relative to the "
                              "recipe file; `toolkit estimate --calibrate DIR` writes one")
+    timed_switches: dict[str, str] = Field(
+        default_factory=dict, description="Switches the served code resolves by timing candidates on the device it "
+        "runs on (`auto`), each with the value the target chooses: the census counts it so where the variant leaves "
+        "it unset or `auto` (timed on this CPU, it would count the CPU's fastest path, run by run)")
 
 
 class Recipe(Strict):

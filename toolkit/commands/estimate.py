@@ -124,11 +124,15 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
             import yaml
 
             env = {item["name"]: str(item["value"]) for item in yaml.safe_load(run_config).get("env") or []}
-            full_env, _ = server_environment(stage, env, folder / "standins" / "standins.json", {}, "census")
+            resolved = {k: v for k, v in settings.timed_switches.items() if env.get(k, "auto") == "auto"}
+            full_env, _ = server_environment(stage, {**env, **resolved}, folder / "standins" / "standins.json", {},
+                                             "census")
             (folder / "standins").mkdir(parents=True, exist_ok=True)
             by_key[key] = counted[name] = count(
                 variant_recipe, run_config, full_env, python, wide, tp, folder, layers, census_layers,
                 settings.layer_region, Plan(), _say)
+            counted[name].changed += [f"env {k} {env.get(k, '(not given)')} -> {v} (estimate.timed_switches: the "
+                                      "target's choice, not this CPU's timing)" for k, v in resolved.items()]
     return counted
 
 
