@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from adapter_source import pinned_source  # benchmarks/, the script's own folder
+
 from toolkit.bench import workloads
 from toolkit.commands.common import Inputs, pinned
 from toolkit.commands.estimate import EstimateRequest, count_variants, fit_on
@@ -58,17 +60,6 @@ SECTION3 = (
 MEASURED_RATIO = 10.60 / 8.07
 TOOLS_PROMPT, TOOLS_CACHED = 6639, 2208
 
-
-def _pinned(work: Path) -> str:
-    sys.path.insert(0, str(REPO / "tests"))
-    import pinned_adapter
-
-    try:
-        pinned_adapter.check_copy()
-    except pinned_adapter.PinMismatch as exc:
-        raise SystemExit(f"estimate benchmark: {exc}") from None
-    clone, commit = pinned_adapter.make_repo(work)
-    return f"{clone}@{commit}"
 
 
 def _clients(concurrency: int, count: int, max_tokens: int, tools: bool) -> list[list[Request]]:
@@ -125,7 +116,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-estimate-") as tmp:
         work = Path(tmp)
-        source = args.source.partition("=")[2] if args.source else _pinned(work)
+        source = args.source.partition("=")[2] if args.source else pinned_source(work, "estimate")
         request = EstimateRequest(RECIPE, Inputs(sources={"qwen36-adapter": source}))
         loaded, found = pinned(load_recipe(RECIPE), request.inputs)
         measured_recipe = find_variant(loaded.recipe, "adapter-paths").apply(loaded.recipe)

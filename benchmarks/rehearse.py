@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from adapter_source import pinned_source  # benchmarks/, the script's own folder
+
 from toolkit.commands.common import Inputs
 from toolkit.commands.rehearse import RehearseRequest, rehearse
 
@@ -29,17 +31,6 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "bi100-qwen36.yaml"
 GOAL_S = 180.0
 
-
-def _pinned(work: Path) -> str:
-    sys.path.insert(0, str(REPO / "tests"))
-    import pinned_adapter
-
-    try:
-        pinned_adapter.check_copy()
-    except pinned_adapter.PinMismatch as exc:
-        raise SystemExit(f"rehearse benchmark: {exc}") from None
-    clone, commit = pinned_adapter.make_repo(work)
-    return f"{clone}@{commit}"
 
 
 def _timed(request: RehearseRequest) -> tuple[float, dict[str, object]]:
@@ -60,7 +51,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-rehearse-") as tmp:
         work = Path(tmp)
-        source = args.source.partition("=")[2] if args.source else _pinned(work)
+        source = args.source.partition("=")[2] if args.source else pinned_source(work, "rehearse")
         inputs = Inputs(sources={"qwen36-adapter": source})
         print("rehearse benchmark: baseline (start + one short request)...", file=sys.stderr, flush=True)
         base_s, base = _timed(RehearseRequest(RECIPE, inputs, tp=args.tp, output=work / "baseline",

@@ -117,3 +117,11 @@ def add_commit(bare: Path, rel: str, data: str | bytes, message: str, subdir: st
     commit = repo.index.commit(message, author=actor, committer=actor).hexsha
     repo.git.push(str(bare), "HEAD:refs/heads/later")
     return commit
+
+
+def checked_source(work: Path) -> str:
+    """The pinned files checked against their digests, committed into a repository under `work`: `CLONE@COMMIT`,
+    as `--source qwen36-adapter=` takes it (the benchmarks' default)."""
+    check_copy()
+    clone, commit = make_repo(work)
+    return f"{clone}@{commit}"

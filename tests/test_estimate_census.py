@@ -134,6 +134,12 @@ def test_what_the_estimate_cannot_run_is_refused_before_a_census(tmp_path: Path)
     missing = tmp_path / "none.yaml"
     with pytest.raises(ToolkitError, match=r"calibration file .*none\.yaml does not exist"):
         estimate(EstimateRequest(FLAGSHIP, calibration=missing))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    with pytest.raises(ToolkitError, match="exists and is not an empty folder; the estimate writes only into"):
+        estimate(EstimateRequest(FLAGSHIP, output=kept))
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 
 def test_a_census_stopped_by_sigterm_leaves_no_rank_running(switched: tuple[Any, Path, Inputs, Path],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,3 +136,15 @@ def chosen_variants(loaded: LoadedRecipe, variant: str | None, all_variants: boo
         return [find_variant(loaded.recipe, variant)]
     every = expand_variants(loaded.recipe)
     return every if all_variants else every[:1]
+
+
+def run_folder(output: Path | None, prefix: str, what: str) -> Path:
+    """Where a verb writes its run: `output` if it is new or an empty folder (made), else a new temporary folder
+    (kept); never a folder with something in it, which the run could not prove it wrote."""
+    if output is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ToolkitError(f"-o {output}: exists and is not an empty folder; {what} writes only into a folder it "
+                           "creates (or an empty one)", hint="give a new path")
+    output.mkdir(parents=True, exist_ok=True)
+    return output

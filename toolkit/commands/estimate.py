@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toolkit.commands.common import Inputs, chosen_variants, pinned
+from toolkit.commands.common import Inputs, chosen_variants, pinned, run_folder
 from toolkit.commands.rehearse import served_tp
 from toolkit.errors import EXIT_OK, ToolkitError
 from toolkit.recipe import LoadedRecipe, Recipe, load_recipe
@@ -158,14 +158,7 @@ def _variant_recipes(loaded: LoadedRecipe, request: EstimateRequest) -> dict[str
 
 
 def _rundir(request: EstimateRequest) -> Path:
-    if request.output is None:
-        return Path(tempfile.mkdtemp(prefix="toolkit-estimate-"))
-    out = request.output
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ToolkitError(f"-o {out}: exists and is not an empty folder; the estimate writes only into a folder it "
-                           "creates (or an empty one)", hint="give a new path")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    return run_folder(request.output, "toolkit-estimate-", "the estimate")
 
 
 def _fmt(value: Any, digits: int = 2) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from toolkit.commands.common import Inputs, chosen_variants, pinned
+from toolkit.commands.common import Inputs, chosen_variants, pinned, run_folder
 from toolkit.errors import EXIT_FAILED, EXIT_OK, ToolkitError
 from toolkit.recipe import LoadedRecipe, load_recipe
 from toolkit.results import Finding, Report
@@ -58,14 +58,7 @@ def _tp(loaded: LoadedRecipe, asked: int | None) -> int:
 
 
 def _rundir(request: RehearseRequest) -> Path:
-    if request.output is None:
-        return Path(tempfile.mkdtemp(prefix="toolkit-rehearse-"))
-    out = request.output
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ToolkitError(f"-o {out}: exists and is not an empty folder; the rehearsal writes only into a folder "
-                           "it creates (or an empty one)", hint="give a new path")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    return run_folder(request.output, "toolkit-rehearse-", "the rehearsal")
 
 
 def refuse_unapplied(loaded: LoadedRecipe, found: dict[str, Path], request: RehearseRequest) -> None:
