@@ -184,11 +184,17 @@ def test_the_fit_recovers_the_constants_that_made_the_measured_times(tmp_path: P
     timed = frozenset(entries)
     made = [calibrate.Measured(region, calibrate._predicted(step, entries, BI_V100, truth, 150.0, region, timed)
                                * 1e3, calls) for region, calls in entries.items()]
+    # the synchronises a region's clock sees: its own end, and both ends of each timed region inside it (the MoE
+    # block: 1 + 2 x (routed + all-reduce) = 5 a call)
+    moe = f"{layer}.moe"
+    synced, bare = (calibrate._predicted(step, entries, BI_V100, truth, sync, moe, timed) for sync in (100.0, 0.0))
+    assert synced - bare == pytest.approx(5 * 100e-6)
     fitted = calibrate.fit(step, entries, BI_V100, made, "made")
     assert fitted.spread < 1.02
     assert fitted.calibration.launch_us == pytest.approx(25, rel=0.05)
     assert fitted.calibration.bandwidth_fraction == pytest.approx(0.3, rel=0.05)
     assert fitted.sync_us == pytest.approx(150, rel=0.05)
+    assert fitted.calibration.all_reduce_us == pytest.approx(80, rel=0.05)
     written = tmp_path / "calibration.yaml"
     written.write_text(fitted.as_yaml(), encoding="utf-8")
     again = calibrate.read(written)

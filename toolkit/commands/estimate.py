@@ -147,13 +147,28 @@ def _limits(loaded: LoadedRecipe, recipe: Recipe, name: str) -> Any:
     return Limits(context.max_num_batched_tokens() or 512, context.int_arg("max-num-seqs", 256) or 256, chunked)
 
 
-def _variant_recipes(loaded: LoadedRecipe, request: EstimateRequest) -> dict[str, tuple[Recipe, str]]:
+def _variant_recipes(loaded: LoadedRecipe, request: EstimateRequest, dropped: list[str] | None = None
+                     ) -> dict[str, tuple[Recipe, str]]:
+    """The chosen variants that can start (lint finds no error: `toolkit variants` drops the others, and vLLM
+    refuses them), each with its run config; the dropped ones' names and first error in `dropped`."""
+    from toolkit.lint import lint as lint_recipe
+    from toolkit.results import Severity
     from toolkit.submission.render import render
 
     out = {}
     for variant in chosen_variants(loaded, request.variant, request.all_variants):
         recipe = variant.apply(loaded.recipe)
+        errors = [i for i in lint_recipe(loaded, recipe, variant=variant.name).issues if i.severity is Severity.ERROR]
+        if errors:
+            if dropped is None:
+                raise ToolkitError(f"variant {variant.name} cannot start: {errors[0].rule}: {errors[0].message}",
+                                   hint="`toolkit lint RECIPE --variant NAME` says why")
+            dropped.append(f"{variant.name} ({errors[0].rule})")
+            continue
         out[variant.name] = (recipe, render(recipe, loaded.path.name, variant.name).run_config)
+    if not out:
+        raise ToolkitError("no chosen variant can start: lint finds an error in each",
+                           hint="`toolkit variants RECIPE` lists them")
     return out
 
 
@@ -183,13 +198,17 @@ def estimate(request: EstimateRequest) -> Report:
                            hint="add estimate: {layer_region: ..., calibration: ...} (README: Estimate)")
     if request.calibrate is not None:
         return _calibrate(loaded, found, request)
+    if request.write is not None:
+        raise ToolkitError(f"--write {request.write} without --calibrate: nothing to write",
+                           hint="--calibrate DIR --write FILE fits the constants and writes them")
     calibration_file = request.calibration or calibrate.calibration_path(loaded.path, recipe.estimate.calibration)
     fitted = calibrate.read(calibration_file)
     if request.requests < 1 or request.max_tokens < 1:
         raise ToolkitError(f"--requests {request.requests} --max-tokens {request.max_tokens}: each is 1 or more")
     conversations = workloads.build(request.workload, request.requests, request.conversations)
     max_tokens = request.max_tokens
-    recipes = _variant_recipes(loaded, request)
+    dropped: list[str] = []
+    recipes = _variant_recipes(loaded, request, dropped)
     rundir = _rundir(request)
     started = time.monotonic()
     counted = count_variants(loaded, found, recipes, request, rundir)
@@ -209,14 +228,15 @@ def estimate(request: EstimateRequest) -> Report:
         for concurrency in request.concurrency:
             clients = predict.requests(conversations, concurrency, max_tokens)
             result = predict.predict(cost, _limits(loaded, variant_recipe, name), clients)
-            runs.append(result.as_json())
+            runs.append(result.as_json(factor))
             m = result.metrics
             rows.append((name, str(concurrency), _fmt(m["ttft_p90_ms"] and m["ttft_p90_ms"] / 1e3),
                          _fmt(m["output_tps_e2e_p10"]), _fmt(m["output_tps_e2e_p50"]), _fmt(m["output_tps_agg"]),
                          _fmt(m["official_replay_score"], 0),
                          f"{_fmt(m['output_tps_agg'] / factor)}..{_fmt(m['output_tps_agg'] * factor)}"))
         data[name] = {
-            "decode_step_ms": {str(b): round(s * 1e3, 3) for b, s in cost.decode_points},
+            "range_factor": factor,
+            "decode_step_ms": {str(int(b)): round(s * 1e3, 3) for b, s in cost.decode_points},
             "prefill_step_ms": {str(int(t)): round(s * 1e3, 3) for t, s in cost.prefill_points},
             "decode_breakdown_ms": breakdown, "decode_regions": table, "runs": runs, "census": str(census.folder),
             "census_changes": census.changed, "notes": census.notes}
@@ -225,6 +245,9 @@ def estimate(request: EstimateRequest) -> Report:
              f"workload {request.workload}: {len(conversations)} request(s), max_tokens {max_tokens}, prompt lengths "
              f"from their text at {predict.CHARS_PER_TOKEN:g} characters a token",
              f"counted at the target's widths in {time.monotonic() - started:.0f} s; censuses in {rundir}"]
+    if dropped:
+        notes.append(f"{len(dropped)} variant(s) left out, as `toolkit variants` drops them (vLLM would refuse to "
+                     "start them): " + ", ".join(dropped))
     for name, entry in data.items():
         steps = ", ".join(f"{b} seq {ms:.1f} ms" for b, ms in entry["decode_step_ms"].items())
         chunks = ", ".join(f"{t} tok {ms:.0f} ms" for t, ms in entry["prefill_step_ms"].items())
@@ -249,6 +272,8 @@ def fit_on(counted: Any, device: Any, records: Path) -> Any:
     from toolkit.estimate import calibrate
 
     decode = [s for s in counted.steps if s.decodes and not s.prefills]
+    if not decode:
+        raise ToolkitError(f"the census in {counted.folder} counted no decode step to fit on")
     one = [s for s in decode if len(s.decodes) == 1] or decode
     # rank 0's fewest launches: a path's first call may do one-off work (as StepCost prices)
     steady = min(one, key=lambda s: sum(op.calls for op in s.ranks[min(s.ranks)]))

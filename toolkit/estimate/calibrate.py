@@ -3,10 +3,12 @@ profile`'s input) taken with TOOLKIT_PROFILE_SYNC=1, whose decode regions' time 
 must reproduce.
 
 A synchronised region's time on the target is its operations' (a launch each, plus the longer of compute and memory
-traffic; an all-reduce's latency and traffic) and a device synchronise at each region boundary inside it: the
-profiler's own cost, `sync_us`, fitted with the rest and left out of every prediction of an unprofiled run. Fitted:
-the launch cost, the achieved fraction of bandwidth, the all-reduce latency and the synchronise; the achieved
-fraction of peak compute is a stated prior (a decode step is launch- and memory-bound: no decode region tells it).
+traffic; an all-reduce's latency and traffic) and the device synchronises inside its clock (its own end, both ends
+of each timed region within it): the profiler's own cost, `sync_us`, fitted with the rest and left out of every
+prediction of an unprofiled run. A timer the records leave out (section 2's "MoE routed experts", which no probe
+names) still synchronised there: its cost falls to the regions around it. Fitted: the launch cost, the achieved
+fraction of bandwidth, the all-reduce latency and the synchronise; the achieved fraction of peak compute is a stated
+prior (a decode step is launch- and memory-bound: no decode region tells it).
 
 The fit minimises the squared log ratio of predicted to measured time per call over the regions both sides have
 (coordinate descent in log space: four constants, a few hundred evaluations). The calibration file keeps the
@@ -108,15 +110,15 @@ def measured(records: Path) -> list[Measured]:
 
 def _predicted(step: CountedStep, entries: dict[str, float], device: Device, calibration: Calibration,
                sync_us: float, region: str, timed: frozenset[str]) -> float:
-    """A region's synchronised time per call, predicted from the counted decode step: its operations, and a
-    synchronise at each entry of a region the records timed (`timed`) inside it, itself included."""
+    """A region's synchronised time per call, predicted from the counted decode step: its operations, and the
+    synchronises its clock sees: its own at its end (the one at its start runs before the clock), and both of each
+    entry of a region the records timed (`timed`) inside it."""
     own = regions(step.ranks[min(step.ranks)], device, calibration)
     calls = entries.get(region)
     if not calls:
         return math.nan
-    boundaries = sum(n for name, n in entries.items()
-                     if name in timed and (name == region or name.startswith(region + ".")))
-    return (inclusive(own, region) + sync_us * 1e-6 * boundaries) / calls
+    inside = sum(n for name, n in entries.items() if name in timed and name.startswith(region + "."))
+    return (inclusive(own, region) + sync_us * 1e-6 * (calls + 2 * inside)) / calls
 
 
 def fit(step: CountedStep, entries: dict[str, float], device: Device, targets: list[Measured], fitted_on: str,

@@ -38,7 +38,7 @@ class Plan:
     a few steps. A path's first call may do one-off work (the native MoE's `auto` times its candidates, a cache is
     filled), on any rank: each shape is counted more than once, and priced by each rank's cheapest count of it."""
 
-    prefills: tuple[int, ...] = (16, 16, 256, 256, 2048, 2048)
+    prefills: tuple[int, ...] = (16, 16, 256, 256, 2048, 2048)  # each batch's prompt is one more single prefill
     batches: tuple[int, ...] = (1, 2)
     decode_prompt: int = 64
     decode_steps: int = 3
@@ -103,11 +103,13 @@ def census_argv(run_config: str, python: Path, model: Path, tp: int, plan: Plan)
     return argv[module + 2:], env, said
 
 
-def _steps(folder: Path, labels: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    """Each rank's last len(labels) steps (the ones before are the engine's profile run)."""
+def _steps(folder: Path, labels: list[dict[str, Any]], step_region: str) -> dict[int, list[dict[str, Any]]]:
+    """Each rank's last len(labels) steps, of the outermost region `step_region` (the ones before are the engine's
+    profile run; another outermost region is not a step)."""
     by_pid: dict[int, list[dict[str, Any]]] = {}
     for line in census.read(folder):
-        by_pid.setdefault(int(line["pid"]), []).append(line)
+        if line.get("region") == step_region:
+            by_pid.setdefault(int(line["pid"]), []).append(line)
     ranks: dict[int, list[dict[str, Any]]] = {}
     for lines in by_pid.values():
         if len(lines) < len(labels):
@@ -131,14 +133,18 @@ def count(recipe: Recipe, run_config: str, env_extra: dict[str, str], python: Pa
           folder: Path, layers: int, census_layers: int, layer_region: str, plan: Plan, say: Say) -> Counted:
     """The census of one variant: its engine run by `python` (the CPU runtime) with `env_extra` (the stand-ins'
     environment, the patched tree on PYTHONPATH), its records in `folder`."""
+    folder = folder.resolve()  # the census runs in it: every path it is given must not depend on where we are
+    model = model.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     args, env, changed = census_argv(run_config, python, model, tp, plan)
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
     records = folder / "census"
     labels_file = folder / "steps.json"
     plan_file = folder / "plan.json"
     plan_file.write_text(json.dumps({"args": args, "prefills": list(plan.prefills), "batches": list(plan.batches),
                                      "decode_prompt": plan.decode_prompt, "decode_steps": plan.decode_steps,
-                                     "vocab": 640, "labels": str(labels_file)}), encoding="utf-8")
+                                     "vocab": int(config.get("text_config", config)["vocab_size"]),
+                                     "labels": str(labels_file)}), encoding="utf-8")
     # on a CPU every operation has ended when it returns: the census run's own region times are attributed as a
     # synchronised profile's are (its records can be fitted on, as the target's)
     full_env = {**env, **env_extra, "TOOLKIT_PROFILE": "1", "TOOLKIT_PROFILE_SYNC": "1",
@@ -160,6 +166,8 @@ def count(recipe: Recipe, run_config: str, env_extra: dict[str, str], python: Pa
             # the engine's workers are in its session, and spin when their driver is gone: none outlives the census,
             # however it ends (an error, Ctrl-C, a SIGTERM)
             _kill_group(process.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
     elapsed = time.monotonic() - started
     if code != 0:
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
@@ -175,7 +183,7 @@ def read(folder: Path, tp: int, layers: int, census_layers: int, layer_region: s
     """A census run's steps as its folder holds them (steps.json, census/, profile/)."""
     labels = json.loads((folder / "steps.json").read_text(encoding="utf-8"))
     records = folder / "census"
-    per_rank = _steps(records, labels)
+    per_rank = _steps(records, labels, layer_region.split(".")[0])
     if len(per_rank) != tp:
         raise ToolkitError(f"the census counted {len(per_rank)} rank(s) at TP {tp} (records in {records})",
                            hint="each rank counts inside the probes' `step` region: does the recipe include the "

@@ -3,8 +3,9 @@ would report of it on the target.
 
 A step's time is its slowest rank's, each operation priced by `device.seconds`. The census counts a few step shapes
 (`count.Plan`); any other step is priced from them:
-- a decode-only step of b sequences: the counted decodes of b sequences, interpolated or extrapolated linearly
-  between the counted batch sizes;
+- a decode-only step of b sequences: the counted decodes of b sequences, linear between the counted batch sizes
+  and extended along the last segment beyond them (with one counted size, that size's: a decode reads the same
+  weights);
 - a step with prefill tokens: the counted single prefills, linear in the step's tokens between the counted lengths
   (and beyond the longest, along its last segment), its decodes counted as prefill tokens (one forward runs them
   all, and the served MoE and GatedDeltaNet paths take their multi-token branch for it).
@@ -26,6 +27,7 @@ from typing import Any
 
 from toolkit.bench.client import Conversation
 from toolkit.bench.metrics import summarize
+from toolkit.errors import ToolkitError
 from toolkit.estimate.count import Counted, CountedStep
 from toolkit.estimate.device import Calibration, Device, Op, seconds
 from toolkit.estimate.schedule import Limits, Request, Step, Timeline, simulate
@@ -100,10 +102,13 @@ class StepCost:
         self.decode_points = [(float(n), t) for (kind, n), t in points.items() if kind == "decode"]
         self.prefill_points = [(float(n), t) for (kind, n), t in points.items() if kind == "prefill"]
         if not self.decode_points or not self.prefill_points:
-            raise ValueError("a census needs a counted decode step and a counted single prefill to price steps")
+            raise ToolkitError(f"the census in {counted.folder} counted no decode step or no single prefill: nothing "
+                               "to price a step from", hint="its steps.json and census.log say what ran")
 
     def __call__(self, step: Step) -> float:
         if not step.prefills:
+            if len(self.decode_points) == 1:  # one counted batch size: a decode reads the same weights for more
+                return self.decode_points[0][1]
             return max(_line(self.decode_points, len(step.decodes)), 0.0)
         return max(_line(self.prefill_points, step.tokens), 0.0)
 
@@ -161,13 +166,21 @@ class Prediction:
     metrics: dict[str, Any]
     timeline: Timeline
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self, factor: float = 1.0) -> dict[str, Any]:
+        """The metrics, each timed one with the range a calibration whose largest miss is `factor` supports (a
+        time over `factor` to times it; a rate, the score, likewise)."""
         keys = ("requests", "ttft_p50_ms", "ttft_p90_ms", "output_tps_e2e_p10", "output_tps_e2e_p50",
                 "output_tps_agg", "cache_hit_rate", "official_replay_score", "wall_time_s")
+        ranged = ("ttft_p50_ms", "ttft_p90_ms", "output_tps_e2e_p10", "output_tps_e2e_p50", "output_tps_agg",
+                  "official_replay_score", "wall_time_s")
+        ranges = {k: [v / factor, v * factor] for k in ranged if isinstance(v := self.metrics.get(k), float | int)}
         return {"concurrency": self.concurrency, **{k: self.metrics.get(k) for k in keys},
-                "steps": len(self.timeline.steps)}
+                "ranges": ranges, "steps": len(self.timeline.steps)}
 
 
 def predict(cost: StepCost, limits: Limits, clients: list[list[Request]]) -> Prediction:
-    timeline = simulate(clients, limits, cost)
+    try:
+        timeline = simulate(clients, limits, cost)
+    except RuntimeError as exc:  # a budget that admits no prompt: vLLM would not serve it either
+        raise ToolkitError(f"the scheduler cannot run this workload: {exc}") from None
     return Prediction(len(clients), summarize(timeline.records, timeline.wall_s), timeline)

@@ -8,14 +8,15 @@ keeps every step it finished. What is counted, by rule:
 - a torch operation at the dispatcher (a `TorchDispatchMode`, below autograd and the function modes): a view or an
   allocation launches nothing and is not counted; vLLM's own custom ops (`torch.ops.vllm.*`) are Python wrappers
   whose insides are counted where they run (torch runs a custom op's kernel with the modes off: the vendor call in
-  it is counted by the stand-ins' hook, its torch ops are not), and c10d's are the CPU's transport of a vendor
-  collective;
+  it is counted by the stand-ins' hook, as one kernel without FLOPs, and its torch ops are not);
+- a torch.distributed operation (c10d: the logits' gather, a broadcast) is a collective of its largest tensor; inside
+  a vendor call (gloo carrying ixformer's all-reduce here) it is that call's;
 - FLOPs: torch's own formulas (`torch.utils.flop_counter`: matmuls, convolutions, attention) where torch has one,
   attention on the CPU by the same formula (4 b h q k d), anything else one FLOP per output element;
 - bytes: each distinct tensor the operation reads or writes, once (a view of a weight counts the slice it spans;
   a gather, such as indexing the selected experts' weights or an embedding, reads as many bytes as it writes);
 - a stand-in's call with a tensor (ixformer's all-reduce, attention, activations; not a group handle's) is one
-  kernel of the vendor's: its FLOPs are
+  kernel of the vendor's (an all-gather or a reduce-scatter priced as an all-reduce): its FLOPs are
   those its CPU reference dispatched, its bytes its tensors'; an all-reduce is a collective of its tensor's bytes,
   with no FLOPs (the device model prices it over the link).
 
@@ -41,9 +42,8 @@ COLLECTIVES = frozenset({"ixformer.distributed.all_reduce", "ixformer.distribute
 # operations that launch no kernel: an allocation (its memory is the caching allocator's), autograd's bookkeeping
 NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "detach_",
                        "lift_fresh", "alias", "set_", "resize_", "record_stream"})
-# vLLM's custom ops wrap Python (what runs inside is counted where it runs); c10d's are the CPU's transport of a
-# vendor collective, counted as that collective
-WRAPPERS = frozenset({"vllm", "c10d"})
+# vLLM's custom ops wrap Python (what runs inside is counted where it runs)
+WRAPPERS = frozenset({"vllm"})
 OUTSIDE = "(outside every region)"
 # operations that read only the rows they gather from their first argument (an expert's weights, an embedding's rows)
 GATHERS = frozenset({"index", "index_select", "gather", "embedding", "take"})
@@ -91,14 +91,14 @@ class Census:
         self.write = write
         self.steps = 0
         self.tallies: list[Tally] = []  # the step's, then one per vendor call running inside it
-        self.bucket = "all"
+        self.bucket, self.step = "all", OUTSIDE
         self.mode: Any = None
 
     def start(self) -> None:
         import torch
 
         where = self.region()
-        self.bucket = where[0] if where else "all"
+        self.bucket, self.step = where if where else ("all", OUTSIDE)
         self.tallies = [Tally()]
         self.mode = _mode_class(torch)(self)
         self.mode.__enter__()
@@ -109,8 +109,8 @@ class Census:
         self.mode.__exit__(None, None, None)
         self.mode = None
         self.steps += 1
-        self.write({"pid": os.getpid(), "rank": _rank(), "step": self.steps, "bucket": self.bucket,
-                    "ops": self.tallies[0].rows()})
+        self.write({"pid": os.getpid(), "rank": _rank(), "step": self.steps, "region": self.step,
+                    "bucket": self.bucket, "ops": self.tallies[0].rows()})
         self.tallies = []
 
     def where(self) -> str:
@@ -127,6 +127,11 @@ class Census:
         ins, outs = _tensors((args, kwargs)), _tensors(out)
         tensors = ins + outs
         if not tensors:
+            return
+        if func.namespace == "c10d":  # a collective with no vendor call around it (a gather, a broadcast)
+            largest = max(t.numel() * t.element_size() for t in tensors)
+            self.tallies[-1].add(self.where(), label, _dtype(tensors), "collective", _shapes(args), 0.0,
+                                 float(largest))
             return
         nbytes = _bytes(tensors)
         if gather and ins and args and args[0] is ins[0]:  # the source is the first argument of each
