@@ -137,7 +137,7 @@ def _step(decodes: tuple[int, ...], prefills: tuple[int, ...], launches: float, 
 def test_a_step_is_priced_from_the_counted_shapes_nearest_it_on_its_slowest_rank(tmp_path: Path) -> None:
     counted = Counted([_step((), (16,), 100), _step((), (256,), 400), _step((33, 33), (), 50, rank_one=60),
                        _step((33,), (), 40), _step((34,), (), 30), _step((35,), (), 35),
-                       _step((), (16, 16), 1000)], tmp_path, [], 10.0, 0.0)
+                       _step((), (16, 16), 1000)], tmp_path, [])
     cost = StepCost(counted, BI_V100, Calibration(launch_us=10, bandwidth_fraction=1, compute_fraction=1,
                                                   all_reduce_us=0))
     launch = 10e-6 + 1 / 1200e9  # a one-byte kernel
@@ -182,12 +182,13 @@ def test_the_fit_recovers_the_constants_that_made_the_measured_times(tmp_path: P
     truth = Calibration(launch_us=25, bandwidth_fraction=0.3, compute_fraction=calibrate.COMPUTE_FRACTION,
                         all_reduce_us=80)
     timed = frozenset(entries)
-    made = [calibrate.Measured(region, calibrate._predicted(step, entries, BI_V100, truth, 150.0, region, timed)
-                               * 1e3, calls) for region, calls in entries.items()]
+    truths = calibrate._predicted(step, entries, BI_V100, truth, 150.0, list(entries), timed)
+    made = [calibrate.Measured(region, truths[region] * 1e3, calls) for region, calls in entries.items()]
     # the synchronises a region's clock sees: its own end, and both ends of each timed region inside it (the MoE
     # block: 1 + 2 x (routed + all-reduce) = 5 a call)
     moe = f"{layer}.moe"
-    synced, bare = (calibrate._predicted(step, entries, BI_V100, truth, sync, moe, timed) for sync in (100.0, 0.0))
+    synced, bare = (calibrate._predicted(step, entries, BI_V100, truth, sync, [moe], timed)[moe]
+                     for sync in (100.0, 0.0))
     assert synced - bare == pytest.approx(5 * 100e-6)
     fitted = calibrate.fit(step, entries, BI_V100, made, "made")
     assert fitted.spread < 1.02

@@ -344,8 +344,8 @@ class Estimate(Strict):
     layer_region: str = Field(description="The probe region around each decoder layer (its operations are scaled "
                               "from the counted interval to model.num_layers)")
     calibration: str = Field(description="The calibration file (YAML: launch_us, bandwidth_fraction, "
-                             "compute_fraction, all_reduce_us, and what they were fitted on), relative to the "
-                             "recipe file; `toolkit estimate --calibrate DIR` writes one")
+                             "compute_fraction, all_reduce_us, sync_us, and what they were fitted on), relative to "
+                             "the recipe file; `toolkit estimate --calibrate DIR` writes one")
     timed_switches: dict[str, str] = Field(
         default_factory=dict, description="Switches the served code resolves by timing candidates on the device it "
         "runs on (`auto`), each with the value the target chooses: the census counts it so where the variant leaves "

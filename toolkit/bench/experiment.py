@@ -84,8 +84,12 @@ def server_command(run_config: str, python: Path | str, model: Path, port: int) 
     argv = set_flag(argv, "--model", str(model))
     argv = set_flag(argv, "--host", "127.0.0.1")  # never listen beyond this machine
     argv = set_flag(argv, "--port", str(port))
-    env = {item["name"]: str(item["value"]) for item in config.get("env") or []}
-    return argv, env
+    return argv, run_config_env(run_config)
+
+
+def run_config_env(run_config: str) -> dict[str, str]:
+    """The run config's env, as the platform sets it."""
+    return {item["name"]: str(item["value"]) for item in yaml.safe_load(run_config).get("env") or []}
 
 
 @dataclass

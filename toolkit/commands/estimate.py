@@ -17,7 +17,7 @@ from typing import Any
 from toolkit.commands.common import Inputs, chosen_variants, pinned, run_folder
 from toolkit.commands.rehearse import served_tp
 from toolkit.errors import EXIT_OK, ToolkitError
-from toolkit.recipe import LoadedRecipe, Recipe, load_recipe
+from toolkit.recipe import Estimate, LoadedRecipe, Recipe, load_recipe
 from toolkit.results import Report
 
 WORKLOADS = ("short", "tools", "conversations")
@@ -49,6 +49,14 @@ def _tp(loaded: LoadedRecipe, request: EstimateRequest) -> int:
     return request.tp or served_tp(loaded) or 1
 
 
+def _settings(loaded: LoadedRecipe) -> Estimate:
+    if loaded.recipe.estimate is None:
+        raise ToolkitError(f"{loaded.path}: no estimate: section (its layer region and calibration file)",
+                           hint="include the layer that sets estimate.layer_region (layers/qwen36-adapter.yaml) and "
+                           "name a calibration file under estimate.calibration (README: Estimate)")
+    return loaded.recipe.estimate
+
+
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -72,6 +80,7 @@ def _census_key(run_config: str) -> str:
 def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[str, tuple[Recipe, str]],
                    request: EstimateRequest, rundir: Path) -> dict[str, Any]:
     """Each variant's census (`toolkit.estimate.count`), one per distinct code path, on one patched tree."""
+    from toolkit.bench.experiment import run_config_env
     from toolkit.bench.serve import stray_processes
     from toolkit.estimate.count import Plan, count
     from toolkit.rehearsal import Rehearsal
@@ -80,16 +89,11 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
     from toolkit.runtime import tiny_model
     from toolkit.runtime.env import runtime
 
-    recipe = loaded.recipe
-    model = recipe.model
-    settings = recipe.estimate
+    model = loaded.recipe.model
+    settings = _settings(loaded)
     if model is None and request.model_config is None:
         raise ToolkitError("estimate needs the served model's shape", hint="add a `model:` section to the recipe, "
                            "or pass --model-config DIR")
-    if settings is None:
-        raise ToolkitError("the recipe has no estimate: section (its layer region and calibration)",
-                           hint="include the layer that sets estimate.layer_region (layers/qwen36-adapter.yaml) "
-                           "and name a calibration file under estimate.calibration")
     tp = _tp(loaded, request)
     strays = stray_processes()
     if strays:
@@ -121,16 +125,13 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
             folder = rundir / name
             stage = Stage(variant_recipe, run_config, tree, python, wide, tp, folder, image,
                           variant_recipe.hardware.memory_gb, _say, Rehearsal(name, tp, folder))
-            import yaml
-
-            env = {item["name"]: str(item["value"]) for item in yaml.safe_load(run_config).get("env") or []}
+            env = run_config_env(run_config)
             resolved = {k: v for k, v in settings.timed_switches.items() if env.get(k, "auto") == "auto"}
             full_env, _ = server_environment(stage, {**env, **resolved}, folder / "standins" / "standins.json", {},
                                              "census")
             (folder / "standins").mkdir(parents=True, exist_ok=True)
-            by_key[key] = counted[name] = count(
-                variant_recipe, run_config, full_env, python, wide, tp, folder, layers, census_layers,
-                settings.layer_region, Plan(), _say)
+            by_key[key] = counted[name] = count(run_config, full_env, python, wide, tp, folder, layers, census_layers,
+                                                settings.layer_region, Plan(), _say)
             counted[name].changed += [f"env {k} {env.get(k, '(not given)')} -> {v} (estimate.timed_switches: the "
                                       "target's choice, not this CPU's timing)" for k, v in resolved.items()]
     return counted
@@ -193,15 +194,13 @@ def estimate(request: EstimateRequest) -> Report:
         raise ToolkitError(f"--concurrency {request.concurrency}: each concurrency is 1 or more")
     loaded, found = pinned(load_recipe(request.recipe), request.inputs)
     recipe = loaded.recipe
-    if recipe.estimate is None:
-        raise ToolkitError(f"{request.recipe}: no estimate: section (its layer region and calibration file)",
-                           hint="add estimate: {layer_region: ..., calibration: ...} (README: Estimate)")
+    settings = _settings(loaded)
     if request.calibrate is not None:
         return _calibrate(loaded, found, request)
     if request.write is not None:
         raise ToolkitError(f"--write {request.write} without --calibrate: nothing to write",
                            hint="--calibrate DIR --write FILE fits the constants and writes them")
-    calibration_file = request.calibration or calibrate.calibration_path(loaded.path, recipe.estimate.calibration)
+    calibration_file = request.calibration or calibrate.calibration_path(loaded.path, settings.calibration)
     fitted = calibrate.read(calibration_file)
     if request.requests < 1 or request.max_tokens < 1:
         raise ToolkitError(f"--requests {request.requests} --max-tokens {request.max_tokens}: each is 1 or more")

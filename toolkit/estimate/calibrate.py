@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from toolkit.errors import ToolkitError
-from toolkit.estimate.count import CountedStep
+from toolkit.estimate.count import CountedStep, within
 from toolkit.estimate.device import Calibration, Device
 from toolkit.estimate.predict import inclusive, regions
 
@@ -109,16 +109,20 @@ def measured(records: Path) -> list[Measured]:
 
 
 def _predicted(step: CountedStep, entries: dict[str, float], device: Device, calibration: Calibration,
-               sync_us: float, region: str, timed: frozenset[str]) -> float:
-    """A region's synchronised time per call, predicted from the counted decode step: its operations, and the
-    synchronises its clock sees: its own at its end (the one at its start runs before the clock), and both of each
-    entry of a region the records timed (`timed`) inside it."""
+               sync_us: float, targets: list[str], timed: frozenset[str]) -> dict[str, float]:
+    """Each target region's synchronised time per call, predicted from the counted decode step: its operations, and
+    the synchronises its clock sees: its own at its end (the one at its start runs before the clock), and both of
+    each entry of a region the records timed (`timed`) inside it."""
     own = regions(step.ranks[min(step.ranks)], device, calibration)
-    calls = entries.get(region)
-    if not calls:
-        return math.nan
-    inside = sum(n for name, n in entries.items() if name in timed and name.startswith(region + "."))
-    return (inclusive(own, region) + sync_us * 1e-6 * (calls + 2 * inside)) / calls
+    out = {}
+    for region in targets:
+        calls = entries.get(region)
+        if not calls:
+            out[region] = math.nan
+            continue
+        inside = sum(n for name, n in entries.items() if name in timed and name != region and within(name, region))
+        out[region] = (inclusive(own, region) + sync_us * 1e-6 * (calls + 2 * inside)) / calls
+    return out
 
 
 def fit(step: CountedStep, entries: dict[str, float], device: Device, targets: list[Measured], fitted_on: str,
@@ -132,21 +136,19 @@ def fit(step: CountedStep, entries: dict[str, float], device: Device, targets: l
                            hint="the records' region names must be the recipe's probe regions (its probes layer)")
     values = {"launch_us": 20.0, "bandwidth_fraction": 0.5, "all_reduce_us": 50.0, "sync_us": 20.0}
     timed = frozenset(t.region for t in targets)
+    regions_fitted = [t.region for t in usable]
 
     def loss(v: dict[str, float]) -> float:
         calibration = Calibration(v["launch_us"], v["bandwidth_fraction"], COMPUTE_FRACTION, v["all_reduce_us"])
-        total = 0.0
-        for t in usable:
-            predicted = _predicted(step, entries, device, calibration, v["sync_us"], t.region, timed) * 1e3
-            total += math.log(max(predicted, 1e-9) / t.per_call_ms) ** 2
-        return total
+        predicted = _predicted(step, entries, device, calibration, v["sync_us"], regions_fitted, timed)
+        return sum(math.log(max(predicted[t.region] * 1e3, 1e-9) / t.per_call_ms) ** 2 for t in usable)
 
     values = _descend(loss, values, rounds)
     calibration = Calibration(values["launch_us"], values["bandwidth_fraction"], COMPUTE_FRACTION,
                               values["all_reduce_us"])
-    table = {t.region: {"measured_ms": round(t.per_call_ms, 4), "fitted_ms": round(
-        _predicted(step, entries, device, calibration, values["sync_us"], t.region, timed) * 1e3, 4)}
-        for t in usable}
+    fitted = _predicted(step, entries, device, calibration, values["sync_us"], regions_fitted, timed)
+    table = {t.region: {"measured_ms": round(t.per_call_ms, 4), "fitted_ms": round(fitted[t.region] * 1e3, 4)}
+             for t in usable}
     return Fitted(calibration, values["sync_us"], fitted_on, table)
 
 

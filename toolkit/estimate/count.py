@@ -24,12 +24,16 @@ from typing import Any
 from toolkit.bench import experiment
 from toolkit.errors import ToolkitError
 from toolkit.estimate.device import Op
-from toolkit.recipe import Recipe
 from toolkit.runtime import census, census_steps
 
 Say = Callable[[str], None]
 CENSUS_TIMEOUT_S = 1800.0
 BLOCK_TOKENS = 16  # vLLM 0.6.3's default block size
+
+
+def within(name: str, region: str) -> bool:
+    """Whether region `name` is `region` or runs inside it (the probes' names nest by dots)."""
+    return name == region or name.startswith(region + ".")
 
 
 @dataclass(frozen=True)
@@ -73,19 +77,16 @@ class Counted:
     steps: list[CountedStep]
     folder: Path
     changed: list[str]
-    layer_scale: float
-    seconds: float
     # per bucket, each probe region's entries a step on rank 0, the layers' scaled (what a synchronising profiler
     # pays at each region's boundaries)
     entries: dict[str, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what the served path said it chose (profiling notes)
 
 
-def census_argv(run_config: str, python: Path, model: Path, tp: int, plan: Plan) -> tuple[list[str], dict[str, str],
-                                                                                          list[str]]:
+def census_argv(run_config: str, python: Path, model: Path, tp: int, plan: Plan) -> tuple[list[str], list[str]]:
     """The variant's server argv as the engine's parser takes it, with what the census needs said: the wide model
     with dummy weights and no tokenizer, the served TP, lengths and blocks for the plan's steps."""
-    argv, env = experiment.server_command(run_config, python, model, 0)
+    argv, _ = experiment.server_command(run_config, python, model, 0)
     changes = [("--tensor-parallel-size", str(tp)), ("--max-model-len", str(plan.max_model_len)),
                ("--max-num-batched-tokens", str(plan.batched_tokens)),
                ("--max-num-seqs", str(max(plan.batches))), ("--load-format", "dummy"),
@@ -100,7 +101,7 @@ def census_argv(run_config: str, python: Path, model: Path, tp: int, plan: Plan)
         argv.append("--skip-tokenizer-init")
         said.append("--skip-tokenizer-init (the wide model has no tokenizer)")
     module = argv.index("-m")
-    return argv[module + 2:], env, said
+    return argv[module + 2:], said
 
 
 def _steps(folder: Path, labels: list[dict[str, Any]], step_region: str) -> dict[int, list[dict[str, Any]]]:
@@ -123,20 +124,20 @@ def operations(rows: list[list[Any]], layer_region: str, scale: float) -> list[O
     """A step's census rows as priced operations, the layers' scaled to the model's count."""
     ops = []
     for region, name, dtype, kind, shapes, calls, flops, nbytes in rows:
-        factor = scale if region == layer_region or region.startswith(layer_region + ".") else 1.0
+        factor = scale if within(region, layer_region) else 1.0
         ops.append(Op(name, region, flops * factor, nbytes * factor, dtype, collective=kind == "collective",
                       calls=calls * factor, shapes=shapes))
     return ops
 
 
-def count(recipe: Recipe, run_config: str, env_extra: dict[str, str], python: Path, model: Path, tp: int,
-          folder: Path, layers: int, census_layers: int, layer_region: str, plan: Plan, say: Say) -> Counted:
-    """The census of one variant: its engine run by `python` (the CPU runtime) with `env_extra` (the stand-ins'
-    environment, the patched tree on PYTHONPATH), its records in `folder`."""
+def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: int, folder: Path, layers: int,
+          census_layers: int, layer_region: str, plan: Plan, say: Say) -> Counted:
+    """The census of one variant: its engine run by `python` (the CPU runtime) in the server's environment `env`
+    (the run config's, the stand-ins', the patched tree on PYTHONPATH), its records in `folder`."""
     folder = folder.resolve()  # the census runs in it: every path it is given must not depend on where we are
     model = model.resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    args, env, changed = census_argv(run_config, python, model, tp, plan)
+    args, changed = census_argv(run_config, python, model, tp, plan)
     config = json.loads((model / "config.json").read_text(encoding="utf-8"))
     records = folder / "census"
     labels_file = folder / "steps.json"
@@ -147,7 +148,7 @@ def count(recipe: Recipe, run_config: str, env_extra: dict[str, str], python: Pa
                                      "labels": str(labels_file)}), encoding="utf-8")
     # on a CPU every operation has ended when it returns: the census run's own region times are attributed as a
     # synchronised profile's are (its records can be fitted on, as the target's)
-    full_env = {**env, **env_extra, "TOOLKIT_PROFILE": "1", "TOOLKIT_PROFILE_SYNC": "1",
+    full_env = {**env, "TOOLKIT_PROFILE": "1", "TOOLKIT_PROFILE_SYNC": "1",
                 "TOOLKIT_PROFILE_DIR": str(folder / "profile"), census.ENV: str(records.resolve())}
     log = folder / "census.log"
     say(f"estimate: counting the served path at TP {tp} (prefills of {', '.join(map(str, sorted(set(plan.prefills))))} "
@@ -168,15 +169,15 @@ def count(recipe: Recipe, run_config: str, env_extra: dict[str, str], python: Pa
             _kill_group(process.pid)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(10)
-    elapsed = time.monotonic() - started
     if code != 0:
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
         why = f"ran past {CENSUS_TIMEOUT_S:.0f} s" if code is None else f"exited {code}"
         raise ToolkitError(f"the census of the served path {why} (log {log}):\n{tail}",
                            hint="the same tree and env start in `toolkit rehearse`: rehearse the variant first")
     counted = read(folder, tp, layers, census_layers, layer_region)
-    say(f"estimate: counted {len(counted.steps)} steps on {tp} rank(s) in {elapsed:.0f} s")
-    return Counted(counted.steps, folder, changed, counted.layer_scale, elapsed, counted.entries, counted.notes)
+    counted.changed = changed
+    say(f"estimate: counted {len(counted.steps)} steps on {tp} rank(s) in {time.monotonic() - started:.0f} s")
+    return counted
 
 
 def read(folder: Path, tp: int, layers: int, census_layers: int, layer_region: str) -> Counted:
@@ -198,12 +199,13 @@ def read(folder: Path, tp: int, layers: int, census_layers: int, layer_region: s
                            f"to the model's {layers}", hint="estimate.layer_region names the probe region around "
                            "each decoder layer (layers/qwen36-adapter.yaml's probe-decoder-layer)")
     entries, notes = region_entries(folder / "profile", layer_region, scale)
-    return Counted(steps, folder, [], scale, 0.0, entries, notes)
+    return Counted(steps, folder, [], entries, notes)
 
 
 def region_entries(profile: Path, layer_region: str, scale: float) -> tuple[dict[str, dict[str, float]], list[str]]:
-    """Per bucket, how often each region is entered a step on rank 0 (its calls over the `step` region's, from the
-    census run's own TOOLKIT_PROFILE records), the layers' scaled; and the processes' notes."""
+    """Per bucket, how often each region is entered a step on rank 0 (its calls over the step region's, the root of
+    `layer_region`, from the census run's own TOOLKIT_PROFILE records), the layers' scaled; and the processes'
+    notes."""
     from toolkit.bench.profile import load
 
     processes = load([profile])
@@ -213,9 +215,9 @@ def region_entries(profile: Path, layer_region: str, scale: float) -> tuple[dict
         counts.setdefault(bucket, {})[region] = float(calls)
     out: dict[str, dict[str, float]] = {}
     for bucket, per_region in counts.items():
-        steps = per_region.get("step") or 1.0
-        out[bucket] = {region: n / steps * (scale if region == layer_region or region.startswith(layer_region + ".")
-                                            else 1.0) for region, n in per_region.items()}
+        steps = per_region.get(layer_region.split(".")[0]) or 1.0
+        out[bucket] = {region: n / steps * (scale if within(region, layer_region) else 1.0)
+                       for region, n in per_region.items()}
     return out, sorted({note for p in processes for note in p.notes})
 
 

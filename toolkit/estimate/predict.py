@@ -28,17 +28,12 @@ from typing import Any
 from toolkit.bench.client import Conversation
 from toolkit.bench.metrics import summarize
 from toolkit.errors import ToolkitError
-from toolkit.estimate.count import Counted, CountedStep
+from toolkit.estimate.count import Counted, CountedStep, within
 from toolkit.estimate.device import Calibration, Device, Op, seconds
 from toolkit.estimate.schedule import Limits, Request, Step, Timeline, simulate
 
 CHARS_PER_TOKEN = 4.0  # English text and JSON through a BPE vocabulary of this size: a stated approximation
 BLOCK_TOKENS = 16  # a prefix-cache hit is whole KV blocks
-
-
-def step_seconds(step: CountedStep, device: Device, calibration: Calibration) -> float:
-    """The counted step's time: its slowest rank's."""
-    return max(sum(seconds(op, device, calibration) for op in ops) for ops in step.ranks.values())
 
 
 def regions(ops: Sequence[Op], device: Device, calibration: Calibration) -> dict[str, dict[str, float]]:
@@ -55,7 +50,7 @@ def regions(ops: Sequence[Op], device: Device, calibration: Calibration) -> dict
 
 def inclusive(own: dict[str, dict[str, float]], region: str) -> float:
     """A region's seconds with everything that ran inside it (its dotted children)."""
-    return sum(v["seconds"] for name, v in own.items() if name == region or name.startswith(region + "."))
+    return sum(v["seconds"] for name, v in own.items() if within(name, region))
 
 
 def _line(points: list[tuple[float, float]], x: float) -> float:

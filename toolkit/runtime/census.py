@@ -128,10 +128,9 @@ class Census:
         tensors = ins + outs
         if not tensors:
             return
+        shapes = _shapes(ins)
         if func.namespace == "c10d":  # a collective with no vendor call around it (a gather, a broadcast)
-            largest = max(t.numel() * t.element_size() for t in tensors)
-            self.tallies[-1].add(self.where(), label, _dtype(tensors), "collective", _shapes(args), 0.0,
-                                 float(largest))
+            self.tallies[-1].add(self.where(), label, _dtype(tensors), "collective", shapes, 0.0, _largest(tensors))
             return
         nbytes = _bytes(tensors)
         if gather and ins and args and args[0] is ins[0]:  # the source is the first argument of each
@@ -143,7 +142,6 @@ class Census:
             flops = 4.0 * int(batch) * int(heads) * int(q_len) * int(ins[1].shape[-2]) * int(size)
         else:
             flops = float(max((t.numel() for t in outs), default=0))
-        shapes = ",".join("x".join(map(str, t.shape)) for t in ins[:2])
         self.tallies[-1].add(self.where(), label, _dtype(tensors), "kernel", shapes, flops, nbytes)
 
     def vendor(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -158,12 +156,11 @@ class Census:
         tensors = _tensors((args, kwargs, out))
         if not tensors:  # a handle (a group, a stream): nothing launched
             return out
-        dtype = _dtype(tensors)
+        dtype, shapes = _dtype(tensors), _shapes(_tensors(args))
         if name in COLLECTIVES:  # priced by the buffer it moves over the link
-            largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-            self.tallies[-1].add(self.where(), name, dtype, "collective", _shapes(args), 0.0, float(largest))
+            self.tallies[-1].add(self.where(), name, dtype, "collective", shapes, 0.0, _largest(tensors))
         else:
-            self.tallies[-1].add(self.where(), name, dtype, "vendor", _shapes(args), inner.flops, _bytes(tensors))
+            self.tallies[-1].add(self.where(), name, dtype, "vendor", shapes, inner.flops, _bytes(tensors))
         return out
 
 
@@ -222,9 +219,14 @@ def _rule(func: Any) -> tuple[str, Any, bool, bool] | None:
     return _RULES[func]
 
 
-def _shapes(args: Any) -> str:
+def _shapes(inputs: list[Any]) -> str:
     """The shapes of an operation's first two tensor arguments, e.g. `1x2048,512x2048`."""
-    return ",".join("x".join(map(str, t.shape)) for t in _tensors(args)[:2])
+    return ",".join("x".join(map(str, t.shape)) for t in inputs[:2])
+
+
+def _largest(tensors: list[Any]) -> float:
+    """A collective's buffer: the largest tensor it moves."""
+    return float(max(t.numel() * t.element_size() for t in tensors))
 
 
 def _bytes(tensors: list[Any]) -> float:
