@@ -224,6 +224,33 @@ def test_conversation_turns_run_in_order_with_replies_fed_back_and_a_salt() -> N
     assert all(b["stream"] and b["stream_options"] == {"include_usage": True} and b["model"] == "llm" for b in seen)
 
 
+def test_an_interrupt_that_lands_as_a_request_finishes_stops_the_run() -> None:
+    """The interrupt cancels the run; landing in the step that finishes a request it must still stop the workers.
+    (asyncio.wait_for before Python 3.12 returns the finished request instead, losing the cancellation, and the
+    worker went on with the queue: an interrupted 20,000-request experiment ran on for hours.)"""
+    sent: list[int] = []
+    body = (chunk({"content": "R"}) + chunk(usage=USAGE, choices=False) + "data: [DONE]\n\n").encode()
+
+    async def main() -> None:
+        task: asyncio.Task[Any] | None = None
+
+        def handler(request: httpx.Request) -> httpx.Response:
+            sent.append(1)
+            if len(sent) == 3:
+                assert task is not None
+                task.cancel()  # as the interrupt's handler does, while the request is being answered
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+        settings = Settings(url="http://test", timeout_s=5.0)
+        conversations = [Conversation(f"c{i}", [Turn("hi")]) for i in range(20)]
+        task = asyncio.ensure_future(run(conversations, settings, 1, transport=httpx.MockTransport(handler)))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert len(sent) == 3, f"{len(sent)} requests were sent; the interrupt came during the 3rd"
+
+
 def test_tools_workload_salts_the_prefix_the_template_renders_first() -> None:
     seen: list[dict[str, Any]] = []
     reply = script(chunk({"content": "R"}), chunk(usage=USAGE, choices=False), "data: [DONE]\n\n")

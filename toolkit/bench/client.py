@@ -8,7 +8,7 @@ import copy
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,6 +198,22 @@ async def send(client: httpx.AsyncClient, body: dict[str, Any], record: RequestR
     record.ok = True
 
 
+async def _within(seconds: float, work: Coroutine[Any, Any, None]) -> None:
+    """`work`, cancelled after `seconds` (TimeoutError). A cancellation of the caller always goes on to the caller:
+    asyncio.wait_for before Python 3.12 returns the result instead when the cancellation lands in the step that
+    finishes `work`, and a worker then took the next request (an interrupted run went on through its queue)."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    finally:
+        if not task.done():  # cancelled here, or out of time: the request must not outlive this call
+            task.cancel()
+            await asyncio.wait({task})
+    if not done:
+        raise asyncio.TimeoutError(f"no answer in {seconds:.0f} s")
+    task.result()
+
+
 async def run(conversations: list[Conversation], settings: Settings, concurrency: int,
               on_done: Callable[[RequestRecord], None] | None = None,
               transport: httpx.AsyncBaseTransport | None = None) -> tuple[list[RequestRecord], float]:
@@ -232,7 +248,7 @@ async def run(conversations: list[Conversation], settings: Settings, concurrency
                         messages.append({"role": "user", "content": _salted(turn.user, settings.salt) if first
                                          else turn.user})
                         body = _body(conv, list(messages), turn.max_tokens or settings.max_tokens, settings)
-                    await asyncio.wait_for(send(client, body, record, settings, run_start), settings.timeout_s + 30)
+                    await _within(settings.timeout_s + 30, send(client, body, record, settings, run_start))
                     records.append(record)
                     if on_done is not None:
                         on_done(record)
