@@ -103,6 +103,10 @@ def test_fetch_mode_build_clones_and_verifies_the_pin(cli, tmp_path: Path) -> No
     untried = result.json()["trial"]["untried"]
     assert "adapter-model" in untried and "moe-native" in untried and "adapter-replace-protocol" in untried
     assert "unhardcode-enforce-eager" not in untried and "adapter-transformers-config-mapping" not in untried
+    # in the words of the one check of a complete tree (the verbs that run the served code refuse it), with its fix
+    said = [n for n in result.json()["notes"] if n.startswith("not tried here, tried by the in-image step instead")]
+    assert len(said) == 1 and "need source(s) qwen36-adapter, which have no local files here" in said[0], said
+    assert "to try them here, pass --source qwen36-adapter=PATH (a clone of https://github.com" in said[0]
     script = (out / "toolkit_payload/apply.sh").read_text()
     assert "git clone --quiet --no-checkout https://github.com/wudixzy/competition.git" in script
     assert f'!= "{commit}"' in script and 'mv "$clone/qwen3_6_scripts" "$src"' in script

@@ -29,12 +29,16 @@ def test_build_and_check_through_the_api_are_the_clis(cli, tmp_path: Path) -> No
     assert checked == cli("check", tmp_path / "api", "--json").json()
 
 
-def test_preflight_and_lint_through_the_api_are_the_clis(cli, tmp_path: Path) -> None:
+def test_preflight_and_lint_through_the_api_are_the_clis(cli, adapter: tuple[Path, str], tmp_path: Path) -> None:
+    from toolkit.commands.common import Inputs
     from toolkit.runtime.env import runtime
 
     runtime()
-    report = api.preflight(api.PreflightRequest(FLAGSHIP, variant="kv-legacy40"))
-    shown = cli("preflight", FLAGSHIP, "--variant", "kv-legacy40", "--json").json()
+    clone, commit = adapter
+    report = api.preflight(api.PreflightRequest(FLAGSHIP, Inputs({"qwen36-adapter": f"{clone}@{commit}"}),
+                                                variant="kv-legacy40"))
+    shown = cli("preflight", FLAGSHIP, "--source", f"qwen36-adapter={clone}@{commit}", "--variant", "kv-legacy40",
+                "--json").json()
     assert report.as_json()["variants"] == shown["variants"] and report.exit_code == shown["exit_code"] == 0
     assert steady(report.as_json()) == steady(shown)
     strict = api.lint(api.LintRequest(FLAGSHIP, variant="kv-legacy40", strict=True))

@@ -129,7 +129,9 @@ def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tu
         estimate(EstimateRequest(recipe, inputs, write=tmp_path / "new.yaml"))
 
 
-def test_what_the_estimate_cannot_run_is_refused_before_a_census(tmp_path: Path) -> None:
+def test_what_the_estimate_cannot_run_is_refused_before_a_census(tmp_path: Path, adapter: tuple[Path, str]) -> None:
+    clone, commit = adapter
+    sources = Inputs({"qwen36-adapter": f"{clone}@{commit}"})  # (without: tests/test_complete_tree.py)
     with pytest.raises(ToolkitError, match="--workload replay: not one of"):
         estimate(EstimateRequest(FLAGSHIP, workload="replay"))
     with pytest.raises(ToolkitError, match="each concurrency is 1 or more"):
@@ -138,12 +140,12 @@ def test_what_the_estimate_cannot_run_is_refused_before_a_census(tmp_path: Path)
         estimate(EstimateRequest(FLAGSHIP.parent / "bi100-qwen25.yaml"))
     missing = tmp_path / "none.yaml"
     with pytest.raises(ToolkitError, match=r"calibration file .*none\.yaml does not exist"):
-        estimate(EstimateRequest(FLAGSHIP, calibration=missing))
+        estimate(EstimateRequest(FLAGSHIP, sources, calibration=missing))
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
     with pytest.raises(ToolkitError, match="exists and is not an empty folder; the estimate writes only into"):
-        estimate(EstimateRequest(FLAGSHIP, output=kept))
+        estimate(EstimateRequest(FLAGSHIP, sources, output=kept))
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 

@@ -109,14 +109,12 @@ def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, adapt
     assert "legacy40: 40 layers, 655360 B per block" in said
 
 
-def test_without_the_adapter_what_it_adds_is_not_checked(cli, python: Path) -> None:
+def test_without_the_adapter_preflight_refuses_instead_of_checking_another_tree(cli, python: Path) -> None:
+    # (tests/test_complete_tree.py has each verb's refusal; build's own preflight still runs what it can, below)
     result = cli("preflight", FLAGSHIP, "--json")
-    assert result.code == 0, result.err[-2000:]
-    notes = result.json()["notes"]
-    assert any("--reasoning-parser (added by source qwen36-adapter" in n for n in notes)
-    assert any("tool parser qwen3_coder (registered by source qwen36-adapter" in n for n in notes)
-    assert any("config_fallback" in n for n in notes)
-    assert by_variant(result)["base"]["config"]["max_model_len"] == 245000
+    assert result.code == 2, result.err[-2000:]
+    assert "preflight: the tree would not be the submission's" in result.json()["error"]
+    assert "--source qwen36-adapter=PATH" in result.json()["fix"]
 
 
 def test_unhardcoded_flags_count_and_the_vendor_forces_them(cli, python: Path, adapter: tuple[Path, str],
@@ -396,10 +394,11 @@ def _base_stage(result: Any, name: str) -> dict[str, Any]:
     return stages(by_variant(result)["base"])[name]
 
 
-def test_the_vendor_selector_takes_xformers_because_the_image_lacks_flash_attention(cli, python: Path) -> None:
+def test_the_vendor_selector_takes_xformers_because_the_image_lacks_flash_attention(cli, python: Path,
+                                                                                    adapter_args: list[str]) -> None:
     """On the CoreX-like tree (capability [9, 0], the selector importing the flash_attn backend), the recipe's
     `absent` ixformer.contrib.vllm_flash_attn fails to import as on the image: XFORMERS, for the vendor's reason."""
-    result = cli("preflight", FLAGSHIP, "--json")
+    result = cli("preflight", FLAGSHIP, *adapter_args, "--json")
     assert result.code == 0, result.out[-3000:] + result.err[-2000:]
     stage = _base_stage(result, "attention-backend")
     assert stage["ok"] and stage["message"].startswith(
@@ -410,25 +409,27 @@ def test_the_vendor_selector_takes_xformers_because_the_image_lacks_flash_attent
     assert any("per card" in n for n in notes)  # and the vendor's KV numbers
 
 
-def test_without_absent_the_selector_would_take_flash_attention(cli, python: Path, tmp_path: Path) -> None:
+def test_without_absent_the_selector_would_take_flash_attention(cli, python: Path, adapter_args: list[str],
+                                                                tmp_path: Path) -> None:
     """The fix removed: a stand-in that lets ixformer.contrib.vllm_flash_attn import makes the vendor's selector
     take FLASH_ATTN, which the image cannot load (the false CANNOT START of the issue)."""
     def present(data: dict[str, Any]) -> None:
         data["base_image"]["gpu_libraries"][0].pop("absent")
 
-    result = cli("preflight", recipe_copy(tmp_path, present), "--json")
+    result = cli("preflight", recipe_copy(tmp_path, present), *adapter_args, "--json")
     assert result.code == 2
     stage = _base_stage(result, "attention-backend")
     assert not stage["ok"] and stage["message"].startswith("vLLM selects FLASH_ATTN (its first choice, nothing "
                                                            "ruled out), which the image cannot load"), stage
 
 
-def test_without_triton_the_vendor_triton_utils_cannot_import(cli, python: Path, tmp_path: Path) -> None:
+def test_without_triton_the_vendor_triton_utils_cannot_import(cli, python: Path, adapter_args: list[str],
+                                                               tmp_path: Path) -> None:
     """The fix removed: the vendor's triton_utils imports triton unconditionally."""
     def no_triton(data: dict[str, Any]) -> None:
         data["base_image"]["gpu_libraries"] = [g for g in data["base_image"]["gpu_libraries"] if g["name"] != "triton"]
 
-    result = cli("preflight", recipe_copy(tmp_path, no_triton), "--json")
+    result = cli("preflight", recipe_copy(tmp_path, no_triton), *adapter_args, "--json")
     assert result.code == 2
     error = result.json()["error"]
     assert error.startswith("the patched tree imports 'triton' at vllm/triton_utils/custom_cache_manager.py:3"), error

@@ -372,8 +372,8 @@ def test_a_tree_without_the_adapters_transforms_is_refused_before_anything_start
     code = main(["rehearse", str(FLAGSHIP), "-o", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "cannot be applied here, so the rehearsed tree would not be the submission's" in err
-    assert "adapter-model: deploys from source qwen36-adapter" in err and "nothing was started" in err
+    assert "rehearse: the tree would not be the submission's" in err
+    assert "adapter-model: deploys from source qwen36-adapter" in err and "nothing was built or started" in err
     assert "--source qwen36-adapter=PATH (a clone of https://github.com/wudixzy/competition.git" in err
     # roots the recipe was not applied to
     code = main(["rehearse", str(FLAGSHIP), "--rootfs", str(corex_rootfs), *adapter_args, "-o", str(tmp_path / "r2")])

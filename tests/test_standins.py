@@ -134,13 +134,14 @@ def runtime_python() -> Path:
 
 
 def test_preflight_names_an_undeclared_gpu_library_and_the_importing_line(cli, runtime_python: Path,
+                                                                         adapter_args: list[str],
                                                                          tmp_path: Path) -> None:
     data = flagship_data()
     data["patches"] = str(REPO / "patches/src")
     data["base_image"]["gpu_libraries"] = ["xformers"]  # ixformer left out
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
-    result = cli("preflight", recipe, "--json")
+    result = cli("preflight", recipe, *adapter_args, "--json")
     assert result.code == 2, result.out + result.err
     error = json.loads(result.out)
     assert "imports 'ixformer" in error["error"]
@@ -149,8 +150,8 @@ def test_preflight_names_an_undeclared_gpu_library_and_the_importing_line(cli, r
     assert "base_image.gpu_libraries" in error["fix"] and f"{recipe}:" in error["fix"]
 
 
-def test_preflight_lists_what_it_stood_in(cli, runtime_python: Path) -> None:
-    result = cli("preflight", FLAGSHIP, "--json")
+def test_preflight_lists_what_it_stood_in(cli, runtime_python: Path, adapter_args: list[str]) -> None:
+    result = cli("preflight", FLAGSHIP, *adapter_args, "--json")
     assert result.code == 0, result.err[-2000:]
     notes = [n for n in result.json()["notes"] if n.startswith("stood in for the image's GPU libraries")]
     assert len(notes) == 1 and "(ixformer, xformers, triton)" in notes[0] and "ixformer.distributed" in notes[0]

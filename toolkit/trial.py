@@ -4,7 +4,8 @@ the platform never shows.
 Where: the real vendor roots (`--rootfs DIR`, everything is tried), or by default a CoreX-like image filesystem
 laid out from the recipe's `vendor.reference` release with the documented vendor changes (cached). Nothing is
 written to either: the engine only plans. Transforms that need a pinned source this machine has no copy of are
-not tried here; the in-image step tries them, and the report says so.
+not tried here; the in-image step tries them, and the report says so (`incomplete`, the one check of a complete
+tree, words it; the verbs that run the served code refuse such a tree through `require_complete`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path, PurePosixPath
 from toolkit import corexlike
 from toolkit.corexlike import VENDOR_EDITS, make_rootfs
 from toolkit.engine.plan import Engine, run_packages
+from toolkit.errors import ToolkitError
 from toolkit.inputs import cache_dir, cached_tree, fetch_reference, package_roots, reference_root, rootfs_roots
 from toolkit.pyenv import build_key
 from toolkit.recipe import LoadedRecipe, Recipe
@@ -94,11 +96,37 @@ def untried_here(recipe: Recipe, pinned: dict[str, Path]) -> dict[str, str]:
     return out
 
 
+def incomplete(recipe: Recipe, pinned: dict[str, Path]) -> tuple[str, str] | None:
+    """What a tree built here would lack (None: nothing): the transforms that need a source with no local files,
+    named, and the fix. The one check of a complete tree; every verb that runs the served code makes it first."""
+    untried = untried_here(recipe, pinned)
+    if not untried:
+        return None
+    names = sorted({t.pinned for t in recipe.transforms if t.id in untried and t.pinned})
+    shown = "; ".join(f"{tid}: {why}" for tid, why in list(untried.items())[:6])
+    said = (f"{len(untried)} transform(s) need source(s) {', '.join(names)}, which have no local files here "
+            f"({shown}{'; ...' if len(untried) > 6 else ''})")
+    fix = " ".join(f"pass --source {s.name}=PATH (a clone of {s.git} at {s.commit[:12]}; a bare one is enough)"
+                   for s in recipe.sources if s.name in names)
+    return said, fix
+
+
+def require_complete(loaded: LoadedRecipe, pinned: dict[str, Path], verb: str) -> None:
+    """Refuse, before anything is built or started, a run of the served code on a tree without every transform:
+    it would run another submission's code (a flag a missing transform adds is unknown, a deployed module absent)."""
+    lacking = incomplete(loaded.recipe, pinned)
+    if lacking is not None:
+        said, fix = lacking
+        raise ToolkitError(f"{verb}: the tree would not be the submission's: {said}; nothing was built or started",
+                           hint=fix)
+
+
 def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | None = None,
                given: dict[str, str] | None = None) -> Trial:
     """given: --package-root NAME=DIR, where a declared package is under the rootfs."""
     recipe = loaded.recipe
     untried = untried_here(recipe, pinned)
+    no_roots: dict[str, str] = {}  # transforms of a declared package with nothing to try them on
     notes: list[str] = []
     if rootfs is not None:
         base, where, exact = rootfs, f"the vendor roots under {rootfs}", True
@@ -120,7 +148,8 @@ def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | Non
             roots = [reference_root(package.trial_release, recipe.base_image.python, recipe.base_image.platform)]
         else:
             for t in recipe.for_package(package.name):
-                untried[t.id] = f"edits package {package.name}, which has no roots here and no release to try on"
+                no_roots[t.id] = f"edits package {package.name}, which has no roots here and no release to try on"
+            untried.update(no_roots)
             continue
         engines.append(Engine(loaded, roots, base, pinned=pinned, skip=frozenset(untried), package=package.name))
     plan = run_packages(engines)
@@ -135,7 +164,10 @@ def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | Non
                      "changes the reference lacks; they apply on the real image")
     elif superseded:
         notes.append(f"SUPERSEDED on {where}: {', '.join(superseded)}: the patch may be removable")
-    if untried:
-        notes.append(f"not tried here, tried by the in-image step instead: {', '.join(sorted(untried))} "
-                     f"({next(iter(untried.values()))}; pass --source NAME=PATH to try them here)")
+    lacking = incomplete(recipe, pinned)
+    if lacking is not None:
+        said, fix = lacking
+        notes.append(f"not tried here, tried by the in-image step instead (the recipe's sources[].fetch leaves the "
+                     f"source to the image build): {said}; to try them here, {fix}")
+    notes.extend(f"not tried here, tried by the in-image step instead: {tid}: {why}" for tid, why in no_roots.items())
     return Trial(where, tuple(plan.results), tuple(sorted(untried.items())), tuple(notes))

@@ -19,6 +19,7 @@ from toolkit.commands.rehearse import served_tp
 from toolkit.errors import EXIT_OK, ToolkitError
 from toolkit.recipe import Estimate, LoadedRecipe, Recipe, load_recipe
 from toolkit.results import Report
+from toolkit.trial import require_complete
 
 WORKLOADS = ("short", "tools", "conversations")
 
@@ -193,6 +194,7 @@ def estimate(request: EstimateRequest) -> Report:
     if any(c < 1 for c in request.concurrency):
         raise ToolkitError(f"--concurrency {request.concurrency}: each concurrency is 1 or more")
     loaded, found = pinned(load_recipe(request.recipe), request.inputs)
+    require_complete(loaded, found, "estimate")  # its census serves the variant's argv on the patched tree
     recipe = loaded.recipe
     settings = _settings(loaded)
     if request.calibrate is not None:

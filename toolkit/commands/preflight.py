@@ -13,6 +13,7 @@ from toolkit.commands.common import Inputs, chosen_variants, pinned
 from toolkit.errors import EXIT_CANNOT_START, EXIT_OK
 from toolkit.recipe import load_recipe
 from toolkit.results import Report
+from toolkit.trial import require_complete
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ def preflight(request: PreflightRequest) -> Report:
     from toolkit.runtime.env import runtime
 
     loaded, found = pinned(load_recipe(request.recipe), request.inputs)
+    require_complete(loaded, found, "preflight")
     variants = chosen_variants(loaded, request.variant, request.all_variants)
     python = runtime()
     started = time.monotonic()

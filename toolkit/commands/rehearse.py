@@ -64,7 +64,7 @@ def _rundir(request: RehearseRequest) -> Path:
 def refuse_unapplied(loaded: LoadedRecipe, found: dict[str, Path], request: RehearseRequest) -> None:
     """A tree without some of the recipe's transforms serves another submission (a server that dies on a flag a
     missing transform adds, or worse, starts): refused before anything is built or started, naming them."""
-    from toolkit.trial import untried_here
+    from toolkit.trial import require_complete
 
     if request.rootfs is not None and not request.apply_to_rootfs:
         from toolkit.commands.common import vendor_roots
@@ -85,15 +85,7 @@ def refuse_unapplied(loaded: LoadedRecipe, found: dict[str, Path], request: Rehe
                 hint=f"`toolkit apply {request.recipe} --rootfs {request.rootfs}` first, or rehearse a copy with the "
                 "recipe applied (`toolkit rehearse RECIPE --rootfs DIR --apply-to-copy`, as preflight --rootfs does)")
         return
-    untried = untried_here(loaded.recipe, found)
-    if untried:
-        sources = sorted({t.pinned for t in loaded.recipe.transforms if t.id in untried and t.pinned})
-        shown = "; ".join(f"{tid}: {why}" for tid, why in list(untried.items())[:6])
-        raise ToolkitError(
-            f"{len(untried)} transform(s) cannot be applied here, so the rehearsed tree would not be the "
-            f"submission's ({shown}{'; ...' if len(untried) > 6 else ''}); nothing was started",
-            hint=" ".join(f"pass --source {name}=PATH (a clone of {s.git} at {s.commit[:12]}, a bare one is "
-                          "enough)" for s in loaded.recipe.sources for name in sources if s.name == name))
+    require_complete(loaded, found, "rehearse")
 
 
 def rehearse(request: RehearseRequest) -> Report:
