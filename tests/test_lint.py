@@ -396,3 +396,44 @@ def test_a_deployed_reader_that_does_not_load_is_an_issue_not_a_crash(tmp_path: 
     found = issues_of(write(tmp_path, broken), "switch-value")
     assert len(found) == 1 and found[0].severity is Severity.ERROR, found
     assert "does not load: SwitchError:" in found[0].message and "PREFIX_STATE: type 'bool'" in found[0].message
+
+
+# -- platform rules and start rules ---------------------------------------------------------------------------------
+
+PLATFORM_RULES = {"context-length"}  # what only the platform's submission requires; vLLM starts such a variant
+
+
+def test_only_the_platform_rules_are_marked_platform() -> None:
+    # every other rule guards a start vLLM or the hardware refuses, or answers that would be wrong: an error for
+    # every verb (go through the table when a rule is added: which side is it on?)
+    assert {rule_id for rule_id, info in RULES.items() if info.platform} == PLATFORM_RULES
+
+
+def test_a_platform_rule_is_a_warning_for_a_diagnostic_run_and_stays_an_error_for_a_submission(tmp_path: Path) -> None:
+    # how the team ran its diagnostic experiments: short prompts, faster restarts
+    short = load_recipe(write(tmp_path, set_args(max_model_len=100000)))
+    submission = lint(short)
+    [error] = [i for i in submission.refusals if i.rule == "context-length"]
+    assert error.severity is Severity.ERROR and not error.platform and submission.not_a_submission == ()
+    diagnostic = lint(short, for_submission=False)
+    assert [i.rule for i in diagnostic.refusals] == [], diagnostic.refusals
+    [warning] = diagnostic.not_a_submission
+    assert warning.rule == "context-length" and warning.severity is Severity.WARNING and warning.platform
+    assert warning.message.startswith(error.message) and "would not be accepted as a submission" in warning.message
+    assert warning.line == error.line and warning.fix == error.fix  # still where to fix it, and how
+
+
+def test_what_vllm_refuses_stays_an_error_for_a_diagnostic_run(tmp_path: Path) -> None:
+    refused = load_recipe(write(tmp_path, both(set_args(max_model_len=100000, enable_chunked_prefill="false",
+                                                        max_num_batched_tokens=8192))))
+    diagnostic = lint(refused, for_submission=False)
+    assert [i.rule for i in diagnostic.refusals] == ["chunked-prefill-batch"]
+    assert [i.rule for i in diagnostic.not_a_submission] == ["context-length"]
+
+
+def test_build_refuses_the_short_context_copy_that_a_diagnostic_run_takes(cli: Any, tmp_path: Path) -> None:
+    short = write(tmp_path, set_args(max_model_len=100000))
+    out = tmp_path / "sub"
+    result = cli("build", short, "-o", out, "--json")
+    assert result.code == 2 and not out.exists(), result.out + result.err
+    assert "context-length" in result.err and "does not exceed the workload's 235000 tokens" in result.err

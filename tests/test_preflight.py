@@ -489,3 +489,17 @@ def test_max_completion_tokens_alone_limits_the_answer(cli, python: Path, corex_
                           env=runtime_env(without, roots_of(without / "rootfs")[1]))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout) == {"sampling": 1000, "beam": 1000}
+
+
+def test_a_short_context_copy_preflights_with_a_warning_that_it_is_not_a_submission(
+        cli, python: Path, adapter_args: list[str], tmp_path: Path) -> None:
+    """Only the platform's workload needs 235,000 tokens of context: vLLM starts the copy, so preflight runs it and
+    says it would not be accepted (build refuses it: tests/test_lint.py)."""
+    recipe = recipe_copy(tmp_path, lambda d: d["serve"]["args"].update({"max-model-len": 100000}))
+    result = cli("preflight", recipe, *adapter_args, "--json")
+    assert result.code == 0, result.out[-3000:] + result.err[-2000:]
+    [variant] = result.json()["variants"]
+    assert variant["starts"] and variant["lint_errors"] == [] and variant["config"]["max_model_len"] == 100000
+    [said] = variant["not_a_submission"]
+    assert said.startswith("context-length: max_model_len 100000 does not exceed the workload's 235000 tokens")
+    assert f"base: preflighted, but not a submission: {said}" in result.json()["notes"]

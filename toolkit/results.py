@@ -83,6 +83,9 @@ class Issue:
     fix: str
     origin: Origin | None = None
     variant: str | None = None
+    # an error only for a submission, reported as a warning by a diagnostic run: the variant starts and runs here,
+    # but the platform would not accept it as a submission
+    platform: bool = False
 
     @property
     def line(self) -> int | None:

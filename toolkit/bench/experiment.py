@@ -22,7 +22,6 @@ from toolkit.bench.serve import ContainerServer, Lifecycle, Server, leftovers
 from toolkit.errors import ToolkitError
 from toolkit.lint import lint
 from toolkit.recipe import LoadedRecipe
-from toolkit.results import Severity
 from toolkit.submission.render import render
 from toolkit.variants import Variant
 
@@ -101,6 +100,7 @@ class VariantRun:
     stop_s: float | None = None
     runs: list[dict[str, Any]] = field(default_factory=list)
     health: str | None = None  # what the device check before the start found
+    not_a_submission: list[str] = field(default_factory=list)  # what only the platform's submission requires
     profile: dict[str, Any] | None = None  # the profiled run (--profile): never part of runs or scores
 
 
@@ -168,14 +168,16 @@ def experiment(loaded: LoadedRecipe, variants: list[Variant], conversations: lis
     results: list[VariantRun] = []
     for variant in variants:
         recipe = variant.apply(loaded.recipe)
-        errors = [i for i in lint(loaded, recipe, variant=variant.name).issues if i.severity is Severity.ERROR]
+        linted = lint(loaded, recipe, variant=variant.name, for_submission=False)
+        errors = linted.refusals
         if errors:
             results.append(VariantRun(variant.name, "DROPPED", "; ".join(f"{e.rule}: {e.message}" for e in errors)))
             continue
         _refuse_leftovers(variant.name, options)
         folder = outdir / variant.name
         server, argv, env = _server(loaded, recipe, variant.name, folder, outdir, settings, options, {}, "server.log")
-        record = VariantRun(variant.name, "FAILED", "", health=_check_devices(variant.name, options, server))
+        record = VariantRun(variant.name, "FAILED", "", health=_check_devices(variant.name, options, server),
+                            not_a_submission=[f"{i.rule}: {i.message}" for i in linted.not_a_submission])
         results.append(record)
         try:
             server.start()

@@ -198,6 +198,7 @@ def experiment(request: ExperimentRequest) -> Report:
         notes.append(f"{r.variant}: {r.status}: {r.detail}")
         if r.health:
             notes.append(f"{r.variant}: {r.health}")
+        notes += [f"{r.variant}: measured, but not a submission: {said}" for said in r.not_a_submission]
         notes += [f"{r.variant} {n}" for n in _run_notes(r.runs)]
         if r.profile is not None:
             notes.append(f"{r.variant}: profiled run (not in the scores): "

@@ -149,18 +149,21 @@ def _limits(loaded: LoadedRecipe, recipe: Recipe, name: str) -> Any:
     return Limits(context.max_num_batched_tokens() or 512, context.int_arg("max-num-seqs", 256) or 256, chunked)
 
 
-def _variant_recipes(loaded: LoadedRecipe, request: EstimateRequest, dropped: list[str] | None = None
-                     ) -> dict[str, tuple[Recipe, str]]:
+def _variant_recipes(loaded: LoadedRecipe, request: EstimateRequest, dropped: list[str] | None = None,
+                     not_accepted: list[str] | None = None) -> dict[str, tuple[Recipe, str]]:
     """The chosen variants that can start (lint finds no error: `toolkit variants` drops the others, and vLLM
-    refuses them), each with its run config; the dropped ones' names and first error in `dropped`."""
+    refuses them), each with its run config; the dropped ones' names and first error in `dropped`; what only the
+    platform's submission requires (estimated all the same) in `not_accepted`."""
     from toolkit.lint import lint as lint_recipe
-    from toolkit.results import Severity
     from toolkit.submission.render import render
 
     out = {}
     for variant in chosen_variants(loaded, request.variant, request.all_variants):
         recipe = variant.apply(loaded.recipe)
-        errors = [i for i in lint_recipe(loaded, recipe, variant=variant.name).issues if i.severity is Severity.ERROR]
+        result = lint_recipe(loaded, recipe, variant=variant.name, for_submission=False)
+        errors = result.refusals
+        if not_accepted is not None:
+            not_accepted += [f"{variant.name}: {i.rule}: {i.message}" for i in result.not_a_submission]
         if errors:
             if dropped is None:
                 raise ToolkitError(f"variant {variant.name} cannot start: {errors[0].rule}: {errors[0].message}",
@@ -209,7 +212,8 @@ def estimate(request: EstimateRequest) -> Report:
     conversations = workloads.build(request.workload, request.requests, request.conversations)
     max_tokens = request.max_tokens
     dropped: list[str] = []
-    recipes = _variant_recipes(loaded, request, dropped)
+    not_accepted: list[str] = []
+    recipes = _variant_recipes(loaded, request, dropped, not_accepted)
     rundir = _rundir(request)
     started = time.monotonic()
     counted = count_variants(loaded, found, recipes, request, rundir)
@@ -249,6 +253,7 @@ def estimate(request: EstimateRequest) -> Report:
     if dropped:
         notes.append(f"{len(dropped)} variant(s) left out, as `toolkit variants` drops them (vLLM would refuse to "
                      "start them): " + ", ".join(dropped))
+    notes += [f"estimated, but not a submission: {said}" for said in not_accepted]
     for name, entry in data.items():
         steps = ", ".join(f"{b} seq {ms:.1f} ms" for b, ms in entry["decode_step_ms"].items())
         chunks = ", ".join(f"{t} tok {ms:.0f} ms" for t, ms in entry["prefill_step_ms"].items())
@@ -264,7 +269,8 @@ def estimate(request: EstimateRequest) -> Report:
     report = Report("estimate", str(loaded.path), notes=tuple(notes),
                     columns=("variant", "c", "TTFT P90 s", "TPS P10", "TPS P50", "agg TPS", "score",
                              "agg TPS range"),
-                    rows=tuple(rows), extra={"variants": data, "calibration": calibrate.to_json(fitted)})
+                    rows=tuple(rows), extra={"variants": data, "calibration": calibrate.to_json(fitted),
+                                               "not_a_submission": not_accepted})
     return dataclasses.replace(report, exit_code=EXIT_OK)
 
 

@@ -93,6 +93,7 @@ def rehearse(request: RehearseRequest) -> Report:
     from toolkit import rehearsal
     from toolkit.bench.serve import port_in_use
     from toolkit.inputs import cache_dir
+    from toolkit.lint import lint
     from toolkit.runtime import preflight as runtime_preflight
     from toolkit.runtime import tiny_model
     from toolkit.runtime.env import runtime
@@ -123,6 +124,9 @@ def rehearse(request: RehearseRequest) -> Report:
         spec = tiny_model.tiny_spec(loaded.recipe.model, tp, request.model_config, recipe_tp)
         model = tiny_model.build(spec, python, cache_dir() / "tiny-models")
     rehearsals = []
+    not_accepted = [f"{v.name}: rehearsed, but not a submission: {i.rule}: {i.message}" for v in variants
+                    for i in lint(loaded, v.apply(loaded.recipe), variant=v.name,
+                                  for_submission=False).not_a_submission]
     with tempfile.TemporaryDirectory(prefix="toolkit-rehearse-tree-") as tmp:
         work = Path(tmp)
         tree: Tree
@@ -147,14 +151,16 @@ def rehearse(request: RehearseRequest) -> Report:
                 recipe, name, run_config, tree, python, model, tp, rundir / name, image=image,
                 memory_gb=request.memory_gb or rehearsal.DEVICE_MEMORY_GB, port=request.port,
                 only=request.checks))
-    return report(loaded, rehearsals, tree.where, time.monotonic() - started)
+    return report(loaded, rehearsals, tree.where, time.monotonic() - started, not_accepted)
 
 
-def report(loaded: LoadedRecipe, rehearsals: list[Rehearsal], where: str, seconds: float) -> Report:
-    """One row per check ([ok]/[FAIL] and why), the substitutions, shims, references and timings as notes."""
+def report(loaded: LoadedRecipe, rehearsals: list[Rehearsal], where: str, seconds: float,
+           not_accepted: list[str]) -> Report:
+    """One row per check ([ok]/[FAIL] and why), the substitutions, shims, references and timings as notes; what only
+    the platform's submission requires, found by lint, too (the checks ran all the same)."""
     rows: list[tuple[str, ...]] = []
     findings: list[Finding] = []
-    notes = [f"rehearsed on {where}, {seconds:.0f} s"]
+    notes = [f"rehearsed on {where}, {seconds:.0f} s", *not_accepted]
     for r in rehearsals:
         for check in r.checks:
             rows.append((r.variant, check.name, f"[{check.result}]", check.detail))

@@ -31,6 +31,17 @@ class LintResult:
     def warnings(self) -> int:
         return sum(1 for i in self.issues if i.severity is Severity.WARNING)
 
+    @property
+    def refusals(self) -> tuple[Issue, ...]:
+        """What vLLM or the hardware would refuse (and, for a submission, what the platform requires)."""
+        return tuple(i for i in self.issues if i.severity is Severity.ERROR)
+
+    @property
+    def not_a_submission(self) -> tuple[Issue, ...]:
+        """What only the platform's submission requires, found by a diagnostic run: the variant runs, but would not
+        be accepted as a submission."""
+        return tuple(i for i in self.issues if i.platform)
+
     def exit_code(self, strict: bool) -> int:
         if self.errors:
             return 2
@@ -38,13 +49,22 @@ class LintResult:
 
 
 def lint(loaded: LoadedRecipe, recipe: Recipe | None = None, *, variant: str | None = None,
-         rootfs: Path | None = None, compare_base: bool = False) -> LintResult:
+         rootfs: Path | None = None, compare_base: bool = False, for_submission: bool = True) -> LintResult:
     """compare_base: with rootfs, also compare its vendor tree with vendor.reference and its neighbours (fetched by
-    pip once, cached): the `lint --rootfs` verb asks for it, verify does not."""
+    pip once, cached): the `lint --rootfs` verb asks for it, verify does not.
+
+    for_submission: False for a diagnostic run (preflight, rehearse, estimate, experiment), where an error of a
+    platform rule (what only the submission requires) is a warning marked `platform`; a configuration vLLM itself
+    refuses stays an error either way."""
     ctx = LintContext(loaded, recipe or loaded.recipe, variant, rootfs, compare_base=compare_base)
     issues: list[Issue] = []
     for info in RULES.values():
         for issue in info.check(ctx):
+            if info.platform and issue.severity is Severity.ERROR and not for_submission:
+                issues.append(Issue(issue.rule, Severity.WARNING, f"{issue.message} (only the platform's "
+                                    "submission requires this: the variant runs here, but would not be accepted as a "
+                                    "submission)", issue.fix, issue.origin, variant, platform=True))
+                continue
             issues.append(Issue(issue.rule, issue.severity, issue.message, issue.fix, issue.origin, variant))
     order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
     issues.sort(key=lambda i: (order[i.severity], loaded.layers.index(i.origin.file) if i.origin and i.origin.file

@@ -185,14 +185,17 @@ class RuleInfo:
     severity: Severity  # the most severe it reports
     summary: str
     check: Rule
+    # only the platform's submission requires what it checks (the workload's context, ...): vLLM starts such a
+    # variant, so a diagnostic run (preflight, rehearse, estimate, experiment) goes on with a warning
+    platform: bool = False
 
 
 RULES: dict[str, RuleInfo] = {}
 
 
-def rule(rule_id: str, severity: Severity, summary: str) -> Callable[[Rule], Rule]:
+def rule(rule_id: str, severity: Severity, summary: str, platform: bool = False) -> Callable[[Rule], Rule]:
     def register(fn: Rule) -> Rule:
-        RULES[rule_id] = RuleInfo(rule_id, severity, summary, fn)
+        RULES[rule_id] = RuleInfo(rule_id, severity, summary, fn, platform)
         return fn
 
     return register

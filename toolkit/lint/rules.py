@@ -122,7 +122,7 @@ def cuda_graphs(ctx: LintContext) -> Iterator[Issue]:
                     "add enforce-eager: true to serve.args", ctx.loaded.origin("serve", "args"))
 
 
-@rule("context-length", E, "max_model_len below what the workload needs")
+@rule("context-length", E, "max_model_len below what the workload needs", platform=True)
 def context_length(ctx: LintContext) -> Iterator[Issue]:
     need = ctx.recipe.serve.workload.get("min_context_tokens")
     max_len = ctx.int_arg("max-model-len")

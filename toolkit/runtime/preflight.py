@@ -26,7 +26,7 @@ from toolkit.lint import lint
 from toolkit.lint.kv import GIB, estimate
 from toolkit.pyenv import build_key, script
 from toolkit.recipe import LoadedRecipe, ModelShape, Recipe
-from toolkit.results import Finding, Report, Severity
+from toolkit.results import Finding, Report
 from toolkit.runtime import standins
 from toolkit.submission.render import argv
 from toolkit.transforms.deploy import Deploy
@@ -63,6 +63,7 @@ class Outcome:
     lint_errors: list[str] = field(default_factory=list)  # "rule: message"
     not_checked: list[str] = field(default_factory=list)
     standins: dict[str, Any] = field(default_factory=dict)  # the GPU libraries stood in, and what was called
+    not_a_submission: list[str] = field(default_factory=list)  # "rule: message" only the platform requires
 
     @property
     def starts(self) -> bool:
@@ -71,7 +72,8 @@ class Outcome:
     def as_json(self) -> dict[str, Any]:
         return {"variant": self.variant, "starts": self.starts, "stages": [dict(s.__dict__) for s in self.stages],
                 "config": self.config, "kv": self.kv, "lint_errors": self.lint_errors,
-                "not_checked": self.not_checked, "standins": self.standins}
+                "not_checked": self.not_checked, "standins": self.standins,
+                "not_a_submission": self.not_a_submission}
 
 
 def model_config(model: ModelShape, max_model_len: int, folder: Path, fallback: bool = False,
@@ -277,8 +279,9 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
                                                Path(tmp) / variant.name, fallback, dict(applied.env))
             requests.append({"name": variant.name, "argv": kept, "model_dir": str(folder), "env": dict(applied.env),
                              "expected_backend": applied.attention_backend()})
-            outcome.lint_errors = [f"{i.rule}: {i.message}" for i in lint(loaded, applied, variant=variant.name).issues
-                                   if i.severity is Severity.ERROR]
+            linted = lint(loaded, applied, variant=variant.name, for_submission=False)
+            outcome.lint_errors = [f"{i.rule}: {i.message}" for i in linted.refusals]
+            outcome.not_a_submission = [f"{i.rule}: {i.message}" for i in linted.not_a_submission]
             outcomes.append(outcome)
         # both accountings come from the served config's classes; a fallback config serializes one of them
         switch = recipe.model.layers_block_type if recipe.model is not None and not fallback else None
@@ -477,7 +480,9 @@ def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
         if failed and not o.lint_errors:
             notes.append(f"{o.variant}: the vendor's code refuses what lint missed: {failed[0].stage}: "
                          f"{failed[0].describe()}")
-        rows.append((o.variant, "starts" if o.starts else "CANNOT START", "error" if o.lint_errors else "ok", detail))
+        notes.extend(f"{o.variant}: preflighted, but not a submission: {said}" for said in o.not_a_submission)
+        rows.append((o.variant, "starts" if o.starts else "CANNOT START", "error" if o.lint_errors else
+                     "warning" if o.not_a_submission else "ok", detail))
         findings.extend(Finding(s.stage, o.variant, s.where, s.describe()) for s in failed)
     said = standins_summary(outcomes[0].standins) if outcomes else None
     if said:
@@ -528,7 +533,8 @@ def _remembered(target: Path) -> list[Outcome] | None:
     if not target.is_file():
         return None
     return [Outcome(d["variant"], [Stage(**s) for s in d["stages"]], d["config"], d["kv"], d["lint_errors"],
-                    d["not_checked"], d.get("standins", {})) for d in json.loads(target.read_text())]
+                    d["not_checked"], d.get("standins", {}), d.get("not_a_submission", []))
+            for d in json.loads(target.read_text())]
 
 
 def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, Path], python: Path, work: Path,
