@@ -54,7 +54,7 @@ def _settings(loaded: LoadedRecipe) -> Estimate:
     if loaded.recipe.estimate is None:
         raise ToolkitError(f"{loaded.path}: no estimate: section (its layer region and calibration file)",
                            hint="include the layer that sets estimate.layer_region (layers/qwen36-adapter.yaml) and "
-                           "name a calibration file under estimate.calibration (README: Estimate)")
+                           "name a calibration file under estimate.calibration (docs/estimate.md)")
     return loaded.recipe.estimate
 
 

@@ -66,7 +66,7 @@ class Fitted:
     def as_yaml(self) -> str:
         data = {**asdict(self.calibration), "sync_us": self.sync_us, "fitted_on": self.fitted_on,
                 "regions": self.regions}
-        return ("# toolkit estimate's device model constants (README: Estimate); refit with\n"
+        return ("# toolkit estimate's device model constants (docs/estimate.md); refit with\n"
                 "# `toolkit estimate RECIPE --calibrate DIR` on TOOLKIT_PROFILE_SYNC=1 records from the target\n"
                 + yaml.safe_dump(data, sort_keys=False))
 

@@ -195,7 +195,7 @@ def prefix_state(ctx: LintContext) -> Iterator[Issue]:
             yield Issue("prefix-state", E, f"enable-prefix-caching on a model with linear_attention, and "
                         f"model.prefix_state is not declared: {PREFIX_STATE_FAILURE}",
                         "declare model.prefix_state: exact-checkpoints (with the prefix-state transforms, "
-                        "README: Prefix caching), or turn enable-prefix-caching off", origin)
+                        "docs/lint.md: Prefix caching), or turn enable-prefix-caching off", origin)
         return
     if declared == "none":
         if caching:

@@ -335,7 +335,7 @@ def emulate(devices: dict[str, Any]) -> None:
 
 # vLLM's registry inspects a lazily registered model class in a child process so that its parent never initialises
 # CUDA (`_run_in_subprocess`: a fresh interpreter that imports torch and vLLM again, 6-8 s a check); here the child is
-# a fork of the process that asks, which has no CUDA to protect (README: the shim table)
+# a fork of the process that asks, which has no CUDA to protect (docs/preflight.md: the shim table)
 REGISTRY_SHIM = "registry-check-forked"
 # what a fork child accumulated by itself: the rest of the record (the libraries, the devices) is its parent's too
 _PER_PROCESS = ("modules", "calls", "absent_imports", "patched", "patch_misses")
