@@ -103,9 +103,10 @@ def incomplete(recipe: Recipe, pinned: dict[str, Path]) -> tuple[str, str] | Non
     if not untried:
         return None
     names = sorted({t.pinned for t in recipe.transforms if t.id in untried and t.pinned})
-    shown = "; ".join(f"{tid}: {why}" for tid, why in list(untried.items())[:6])
-    said = (f"{len(untried)} transform(s) need source(s) {', '.join(names)}, which have no local files here "
-            f"({shown}{'; ...' if len(untried) > 6 else ''})")
+    ids = list(untried)
+    shown = ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
+    said = (f"{len(untried)} transform(s) need source(s) {', '.join(names)}, which have no local files here: each "
+            f"deploys from it, edits what it deploys, or requires one that does ({shown})")
     fix = " ".join(f"pass --source {s.name}=PATH (a clone of {s.git} at {s.commit[:12]}; a bare one is enough)"
                    for s in recipe.sources if s.name in names)
     return said, fix
