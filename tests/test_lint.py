@@ -414,7 +414,7 @@ def test_a_platform_rule_is_a_warning_for_a_diagnostic_run_and_stays_an_error_fo
     short = load_recipe(write(tmp_path, set_args(max_model_len=100000)))
     submission = lint(short)
     [error] = [i for i in submission.refusals if i.rule == "context-length"]
-    assert error.severity is Severity.ERROR and not error.platform and submission.not_a_submission == ()
+    assert error.severity is Severity.ERROR and error.platform and submission.not_a_submission == ()
     diagnostic = lint(short, for_submission=False)
     assert [i.rule for i in diagnostic.refusals] == [], diagnostic.refusals
     [warning] = diagnostic.not_a_submission
@@ -428,6 +428,7 @@ def test_what_vllm_refuses_stays_an_error_for_a_diagnostic_run(tmp_path: Path) -
                                                         max_num_batched_tokens=8192))))
     diagnostic = lint(refused, for_submission=False)
     assert [i.rule for i in diagnostic.refusals] == ["chunked-prefill-batch"]
+    assert not diagnostic.refusals[0].platform
     assert [i.rule for i in diagnostic.not_a_submission] == ["context-length"]
 
 
@@ -437,3 +438,5 @@ def test_build_refuses_the_short_context_copy_that_a_diagnostic_run_takes(cli: A
     result = cli("build", short, "-o", out, "--json")
     assert result.code == 2 and not out.exists(), result.out + result.err
     assert "context-length" in result.err and "does not exceed the workload's 235000 tokens" in result.err
+    assert "the recipe would not be accepted as a submission; lint found 1 error(s)" in result.err
+    assert "preflight, rehearse, estimate and experiment run it as it is" in result.err

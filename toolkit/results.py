@@ -83,8 +83,8 @@ class Issue:
     fix: str
     origin: Origin | None = None
     variant: str | None = None
-    # an error only for a submission, reported as a warning by a diagnostic run: the variant starts and runs here,
-    # but the platform would not accept it as a submission
+    # an error of a platform rule (what only the platform's submission requires): an error for a submission, a
+    # warning for a diagnostic run, which runs the variant (vLLM starts it) and says the platform would not accept it
     platform: bool = False
 
     @property

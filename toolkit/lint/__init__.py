@@ -40,7 +40,7 @@ class LintResult:
     def not_a_submission(self) -> tuple[Issue, ...]:
         """What only the platform's submission requires, found by a diagnostic run: the variant runs, but would not
         be accepted as a submission."""
-        return tuple(i for i in self.issues if i.platform)
+        return tuple(i for i in self.issues if i.platform and i.severity is Severity.WARNING)
 
     def exit_code(self, strict: bool) -> int:
         if self.errors:
@@ -60,12 +60,14 @@ def lint(loaded: LoadedRecipe, recipe: Recipe | None = None, *, variant: str | N
     issues: list[Issue] = []
     for info in RULES.values():
         for issue in info.check(ctx):
-            if info.platform and issue.severity is Severity.ERROR and not for_submission:
+            platform = info.platform and issue.severity is Severity.ERROR
+            if platform and not for_submission:
                 issues.append(Issue(issue.rule, Severity.WARNING, f"{issue.message} (only the platform's "
                                     "submission requires this: the variant runs here, but would not be accepted as a "
                                     "submission)", issue.fix, issue.origin, variant, platform=True))
                 continue
-            issues.append(Issue(issue.rule, issue.severity, issue.message, issue.fix, issue.origin, variant))
+            issues.append(Issue(issue.rule, issue.severity, issue.message, issue.fix, issue.origin, variant,
+                                platform=platform))
     order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
     issues.sort(key=lambda i: (order[i.severity], loaded.layers.index(i.origin.file) if i.origin and i.origin.file
                                in loaded.layers else len(loaded.layers), i.line or 0, i.rule))

@@ -186,11 +186,17 @@ def _commit(repo_dir: Path, message: str, branch: str) -> tuple[str, str]:
 
 
 def refuse_on_lint(loaded: LoadedRecipe, recipe: Recipe, variant: str | None) -> None:
-    errors = [i for i in lint(loaded, recipe, variant=variant).issues if i.severity is Severity.ERROR]
+    errors = lint(loaded, recipe, variant=variant).refusals
     if errors:
         lines = "\n".join(f"  {i.rule} {i.origin or loaded.path}: {i.message}" for i in errors)
-        raise ToolkitError(f"the recipe{f' (variant {variant})' if variant else ''} cannot start; lint found "
-                           f"{len(errors)} error(s):\n{lines}", hint="fix them, or see `toolkit lint` for details")
+        # a platform rule's errors alone: vLLM would start it, the platform would not accept it
+        platform_only = all(i.platform for i in errors)
+        why = "would not be accepted as a submission" if platform_only else "cannot start"
+        hint = "fix them, or see `toolkit lint` for details"
+        if platform_only:
+            hint += "; preflight, rehearse, estimate and experiment run it as it is"
+        raise ToolkitError(f"the recipe{f' (variant {variant})' if variant else ''} {why}; lint found "
+                           f"{len(errors)} error(s):\n{lines}", hint=hint)
 
 
 def _contains(folder: Path, path: Path) -> bool:
