@@ -23,7 +23,7 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("rehearsal", ("toolkit.rehearsal",)),
     ("estimate", ("toolkit.estimate",)),
     ("commands", ("toolkit.commands", "toolkit.api")),
-    ("cli", ("toolkit.report", "toolkit.cli", "toolkit.entry", "toolkit.testing", "toolkit.__main__")),
+    ("cli", ("toolkit.report", "toolkit.cli", "toolkit.entry", "toolkit.testing", "toolkit.__main__", "toolkit.docs")),
 ]
 PACKAGES = ("toolkit.transforms", "toolkit.engine", "toolkit.lint", "toolkit.submission", "toolkit.runtime",
             "toolkit.bench", "toolkit.rehearsal", "toolkit.estimate", "toolkit.commands")

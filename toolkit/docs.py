@@ -5,17 +5,41 @@ fall behind the code it describes."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
+
+
+def arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's arguments in its help's order. argparse keeps its list private; its help formatter is handed
+    each group's, so a formatter that only collects them reads them."""
+    seen: list[argparse.Action] = []
+
+    class Collect(argparse.HelpFormatter):
+        def add_arguments(self, actions: Iterable[argparse.Action]) -> None:
+            seen.extend(actions)
+
+    shown = parser.formatter_class
+    parser.formatter_class = Collect
+    try:
+        parser.format_help()
+    finally:
+        parser.formatter_class = shown
+    return seen
+
+
+def _subcommands(action: argparse.Action) -> dict[str, argparse.ArgumentParser]:
+    choices = action.choices
+    if isinstance(choices, dict) and all(isinstance(p, argparse.ArgumentParser) for p in choices.values()):
+        return choices
+    return {}
 
 
 def verbs(parser: argparse.ArgumentParser, prefix: str = "toolkit") -> Iterator[tuple[str, argparse.ArgumentParser]]:
     """Every command line the parser takes (`toolkit build`, `toolkit vendor pull`, ...), in the parser's order."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield f"{prefix} {name}", sub
-                yield from verbs(sub, f"{prefix} {name}")
+    for action in arguments(parser):
+        for name, sub in _subcommands(action).items():
+            yield f"{prefix} {name}", sub
+            yield from verbs(sub, f"{prefix} {name}")
 
 
 def _cell(text: str) -> str:
@@ -48,8 +72,7 @@ def cli_reference(parser: argparse.ArgumentParser) -> str:
         if sub.description:  # raw in the terminal (indented continuation lines): paragraphs here
             out += [" ".join(paragraph.split()) + "\n" for paragraph in sub.description.strip().split("\n\n")]
         out += ["```text", sub.format_usage().strip(), "```", ""]
-        rows = [_option(a) for a in sub._actions
-                if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)]
+        rows = [_option(a) for a in arguments(sub) if "--help" not in a.option_strings and not _subcommands(a)]
         if rows:
             out += ["| argument | what it does | default |", "| --- | --- | --- |"]
             out += [f"| {spelled} | {help_} | {default} |" for spelled, help_, default in rows]
