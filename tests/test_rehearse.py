@@ -27,6 +27,7 @@ from toolkit.commands.common import Inputs
 from toolkit.commands.rehearse import RehearseRequest
 from toolkit.commands.rehearse import rehearse as rehearse_cmd
 from toolkit.engine.plan import Step
+from toolkit.errors import ToolkitError
 from toolkit.recipe import load_recipe
 from toolkit.rehearsal import model, servers
 from toolkit.rehearsal.checks import REQUEST_CHECKS, parsers
@@ -207,8 +208,13 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
                            "prefix-cache", "answers"}
     # the oracles compared what they claim: TP 2 against TP 1, every decoded token against a fresh prefill
-    assert re.search(r"^3\d tokens of 3 answers at TP 2 equal TP 1's; 3\d decoded tokens each equal",
+    assert re.search(r"^3\d tokens of 3 answers at TP 2 equal TP 1's; 3\d tokens of 3 answers equal those with the "
+                     r"fast paths off \(TP 1, the variant adapter-paths \(MOE_NATIVE=0 CHUNK_PARALLEL=0 "
+                     r"RMSNORM_NATIVE=0\)\); 3\d tokens of 3 answers equal the plain forward's \(outside vLLM, from "
+                     r"the model's math\); 3\d decoded tokens each equal",
                      checks["answers"]["detail"]), checks["answers"]
+    assert "kept on there, fixes the image needs: XFORMERS_SDPA_FALLBACK, PREFIX_FLASH, PREFIX_STATE" in \
+        checks["answers"]["detail"]
     # the server's own parsers split each forced output; its probes reached every declared region
     assert checks["parsers"]["detail"].startswith("5 outputs forced as the served tokenizer's ids"), checks["parsers"]
     assert "every declared region reached" in checks["profile"]["detail"], checks["profile"]
@@ -254,12 +260,21 @@ def test_every_later_turn_of_the_flagship_hits_the_cache(flagship_rehearsal: Any
     assert variant["cache_hit_rate"] > 0.5, check["detail"]
 
 
-def _mutant_recipe(tmp_path: Path, template: str | None = None, without: str | None = None) -> Path:
-    """A copy of the flagship's recipe, layers and patches: with another chat template, or one transform taken out."""
+def _mutant_recipe(tmp_path: Path, template: str | None = None, without: str | None = None,
+                   patch: tuple[str, str, str] | None = None) -> Path:
+    """A copy of the flagship's recipe, layers and patches: with another chat template, one transform taken out, or
+    one line of a patch file replaced (`patch`: the file under patches/src, the line's text, its replacement)."""
     for folder in ("recipes", "layers", "patches"):
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     if template is not None:
         (tmp_path / "patches/src/chat_templates/qwen36_multi_system.jinja").write_text(template)
+    if patch is not None:
+        file, line, replacement = patch
+        source = tmp_path / "patches/src" / file
+        text = source.read_text()
+        assert text.count(line) == 1, f"{line!r} is not one line of {source}"
+        source.write_text(text.replace(line, replacement))
+    if template is not None or patch is not None:
         # `toolkit:` is the installed toolkit's own patches: the copy's are read only when the layer names them
         image = tmp_path / "layers/corex-3.2.3.yaml"
         text = image.read_text()
@@ -505,6 +520,71 @@ def test_a_decode_reading_the_wrong_block_fails_the_answers_against_a_fresh_pref
     assert stray_processes() == []
 
 
+# one line of a fast path the toolkit injects, made wrong: it is wrong alike in prefill and decode, at every TP, with
+# the cache on and off, so only the plain forward (outside vLLM) can tell
+FAST_PATH_MUTANTS = {
+    # the GatedDeltaNet prefill's state carried from chunk to chunk decayed by g, not exp(g) (CHUNK_PARALLEL)
+    "gdn-decay-g": ("native_fastpaths/gdn.py", "        chunk_decay = last.exp().unsqueeze(-1)",
+                    "        chunk_decay = last.unsqueeze(-1)"),
+    # the router's k weights not renormalised to sum 1 (MOE_NATIVE)
+    "moe-no-renormalisation": ("native_fastpaths/moe.py",
+                               "        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+                               "        pass\n"),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(FAST_PATH_MUTANTS))
+def test_a_fast_path_wrong_everywhere_fails_the_answers_against_the_plain_forward(
+        tmp_path: Path, adapter_args: list[str], mutant: str) -> None:
+    recipe = _mutant_recipe(tmp_path, patch=FAST_PATH_MUTANTS[mutant])
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("answers",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"] and checks["weights"]["ok"], checks
+    detail = checks["answers"]["detail"]
+    print(detail)
+    assert not checks["answers"]["ok"] and "TP 1 differs from the plain forward" in detail, detail
+    assert "TP 1 differs from the recipe's fast paths off (the variant adapter-paths " in detail, detail
+    # the first differing token: the prompt, its position, both ids and what each side gave them
+    for other in ("in the plain forward", "with the fast paths off"):
+        assert re.search(rf"(conversation-\d|multi-system): token \d+ is \d+ at TP 1, \d+ {other} "
+                         r"\(logprobs of \d+ and \d+: ", detail), detail
+    if mutant == "moe-no-renormalisation":  # the same wrong MoE in prefill and decode: the old oracles pass it
+        assert "decode differs from prefill" not in detail, detail
+    assert stray_processes() == []
+
+
+def test_the_fast_paths_off_reference_is_the_declared_variant_or_every_dispatch_off() -> None:
+    from toolkit.rehearsal.checks.answers import fast_paths_off
+
+    flagship = load_recipe(FLAGSHIP).recipe
+    declared = fast_paths_off(flagship)
+    assert declared.env == {"MOE_NATIVE": "0", "CHUNK_PARALLEL": "0", "RMSNORM_NATIVE": "0"}
+    assert declared.made == "the variant adapter-paths (MOE_NATIVE=0 CHUNK_PARALLEL=0 RMSNORM_NATIVE=0)"
+    assert declared.not_covered == () and declared.fixes == ("XFORMERS_SDPA_FALLBACK", "PREFIX_FLASH", "PREFIX_STATE")
+    # built from the recipe: its fast-path dispatches off, the same switches the flagship's variant names
+    built = fast_paths_off(flagship.model_copy(update={"checks": flagship.checks.model_copy(
+        update={"fast_paths_off": None})}))
+    assert built.env == declared.env and built.fixes == declared.fixes
+    assert built.made == ("every fast-path dispatch switch the recipe adds set to 0 (the recipe names no "
+                          "checks.fast_paths_off variant): MOE_NATIVE=0 CHUNK_PARALLEL=0 RMSNORM_NATIVE=0")
+    # a variant that leaves one on says so
+    partial = fast_paths_off(flagship.model_copy(update={
+        "variants": {**flagship.variants, "adapter-paths": flagship.variants["adapter-paths"].model_copy(
+            update={"env": {"MOE_NATIVE": "0"}})}}))
+    assert partial.not_covered == ("CHUNK_PARALLEL (a fast path left as served)",
+                                   "RMSNORM_NATIVE (a fast path left as served)")
+    # the second recipe: only the image's fixes and code replaced with no switch, so nothing to turn off
+    qwen25 = fast_paths_off(load_recipe(REPO / "recipes/bi100-qwen25.yaml").recipe)
+    assert qwen25.env == {} and qwen25.fixes == ("XFORMERS_SDPA_FALLBACK", "PREFIX_FLASH")
+    assert [n for n in qwen25.not_covered if "replace-body" in n]
+    with pytest.raises(ToolkitError, match=r"checks\.fast_paths_off names variant kv-legacy40, which changes"):
+        fast_paths_off(flagship.model_copy(update={
+            "checks": flagship.checks.model_copy(update={"fast_paths_off": "kv-legacy40"}),
+            "variants": {**flagship.variants, "kv-legacy40": flagship.variants["kv-legacy40"].model_copy(
+                update={"args": {"max-num-seqs": 2}})}}))
+
+
 def _answer(name: str, ids: list[int], tops: list[dict[int, float]] | None = None) -> Any:
     from toolkit.rehearsal.oracles import Answer, Prompt
 
@@ -531,16 +611,20 @@ def test_the_oracles_fail_on_a_different_token_step_over_a_near_tie_and_refuse_t
     from toolkit.rehearsal import oracles as answers
 
     mine = [_answer("a", [1, 2, 3, 4]), _answer("b", [5, 6, 7, 8])]
-    same = answers.against_tp1(mine, [_answer("a", [1, 2, 3, 4]), _answer("b", [5, 6, 7, 8])], 1e-3, 2)
+    same = answers.against(mine, [_answer("a", [1, 2, 3, 4]), _answer("b", [5, 6, 7, 8])], 1e-3, "at TP 2",
+                           "at TP 1")
     assert same.differ == [] and same.compared == 8 and same.problems(8, "x") == []
     assert same.problems(9, "of TP 2 against TP 1") == ["only 8 token(s) of TP 2 against TP 1 compared, fewer than "
                                                         "the 9 this check needs"]
-    wrong = answers.against_tp1(mine, [_answer("a", [1, 2, 9, 4]), _answer("b", [5, 6, 7, 8])], 1e-3, 2)
-    assert wrong.compared == 6 and wrong.differ[0].startswith("a: token 2 is 3 at TP 2, 9 at TP 1"), wrong.differ
+    wrong = answers.against(mine, [_answer("a", [1, 2, 9, 4]), _answer("b", [5, 6, 7, 8])], 1e-3, "at TP 2",
+                            "at TP 1")
+    assert wrong.compared == 6 and wrong.differ[0].startswith("a: token 2 is 3 at TP 2, 9 at TP 1 (logprobs of 3 "
+                                                              "and 9: -0.5000 and below its top 1 at TP 2, below its "
+                                                              "top 1 and -0.5000 at TP 1; ids"), wrong.differ
     # both sides had the other's token within a thousandth of a nat: a near-tie, noted, not failed
     tied_mine = [_answer("a", [1, 2, 3, 4], [{1: -.5}, {2: -.5}, {3: -.5, 9: -.5005}, {4: -.5}])]
     tied_theirs = [_answer("a", [1, 2, 9, 7], [{1: -.5}, {2: -.5}, {9: -.5, 3: -.5002}, {7: -.5}])]
-    tie = answers.against_tp1(tied_mine, tied_theirs, 1e-3, 2)
+    tie = answers.against(tied_mine, tied_theirs, 1e-3, "at TP 2", "at TP 1")
     assert tie.differ == [] and tie.compared == 2 and tie.ties == ["a at token 2 (logprobs 0.0005 apart)"]
     # decode against prefill: the first token is the prompt's prefill, not a decode, and is not counted
     answer = _answer("a", [1, 2, 3, 4])

@@ -336,6 +336,11 @@ class Checks(Strict):
     lf_only: list[str] = Field(
         default_factory=list, description="Globs (relative to each vendor root) of files that must be LF-only"
     )
+    fast_paths_off: str | None = Field(
+        default=None, description="The variant that turns every fast path the recipe injects or switches on off (the "
+        "adapter's own code at its pin), by env only: the rehearsal's answers are compared with it at TP 1. Unset: "
+        "every dispatch switch the recipe adds is set to 0 for that reference (a dispatch that is a fix, not a fast "
+        "path, then needs this variant)")
 
 
 class Estimate(Strict):

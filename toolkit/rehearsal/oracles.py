@@ -4,9 +4,13 @@ Every answer is read on one channel every adapter keeps: `/v1/completions` with 
 server started with `--return-tokens-as-token-ids`, so each token is its id (`token_id:N`), never its text. The
 prompts are the served chat template's renderings, as the server's own `/tokenize` gives them.
 
-- **TP 1** (`against_tp1`): the answers at TP N equal those of a TP 1 server on the same tree and checkpoint. A TP
+- **TP 1** (`against`): the answers at TP N equal those of a TP 1 server on the same tree and checkpoint. A TP
   all-reduce that sums nothing, a shard loaded into the wrong rank, replicated KV heads read from the wrong head:
   each makes the ranks' answer differ from one rank's.
+- **The plain forward** (`against`, toolkit/rehearsal/forward.py): the answers equal the checkpoint's greedy answers
+  computed outside vLLM by code written from the model's math, which shares nothing with the served path: a fast
+  path (the toolkit's or the adapter's) that is wrong everywhere, in prefill and decode and at every TP, is wrong on
+  one side only here.
 - **Prefill** (`against_prefill`): every decoded token equals the next token of a fresh prefill of the prompt and
   the tokens before it (`max_tokens` 1, prefix cache off). The decode path (paged attention over the block table,
   the recurrent state carried step by step) against the prefill path (the chunked prompt pass).
@@ -142,9 +146,19 @@ def _tie(a_id: int, a_lp: float, a_top: dict[int, float], b_id: int, b_lp: float
     return gap if gap <= tie_nats else None
 
 
-def against_tp1(mine: Sequence[Answer], theirs: Sequence[Answer], tie_nats: float, tp: int) -> Comparison:
-    """Each answer at TP `tp` against the same prompt's at TP 1, token by token, up to where they part at a
-    near-tie (the tokens after it continue another prefix)."""
+def _logprob(answer: Answer, index: int, token: int) -> str:
+    """What `answer` gave `token` at `index`: its own token's logprob, or an alternative's, or below its top."""
+    if answer.ids[index] == token:
+        return f"{answer.logprobs[index]:.4f}"
+    found = answer.top[index].get(token)
+    return f"{found:.4f}" if found is not None else f"below its top {len(answer.top[index])}"
+
+
+def against(mine: Sequence[Answer], theirs: Sequence[Answer], tie_nats: float, mine_as: str,
+            theirs_as: str) -> Comparison:
+    """Each answer against another computation's of the same prompt (`mine_as`, `theirs_as`: how the report names
+    the two, "at TP 2", "at TP 1"), token by token, up to where they part at a near-tie (the tokens after it continue
+    another prefix); where they part otherwise, the two tokens and what each side gave both."""
     out = Comparison()
     for a, b in zip(mine, theirs, strict=True):
         name = a.prompt.name
@@ -154,13 +168,15 @@ def against_tp1(mine: Sequence[Answer], theirs: Sequence[Answer], tie_nats: floa
         j = next((i for i, (x, y) in enumerate(zip(a.ids, b.ids, strict=False)) if x != y), None)
         if j is None:
             if len(a.ids) != len(b.ids):
-                out.differ.append(f"{name}: {len(a.ids)} tokens at TP {tp}, {len(b.ids)} at TP 1")
+                out.differ.append(f"{name}: {len(a.ids)} tokens {mine_as}, {len(b.ids)} {theirs_as}")
             out.compared += min(len(a.ids), len(b.ids))
             continue
         out.compared += j
-        out.mismatch(name, j, _tie(a.ids[j], a.logprobs[j], a.top[j], b.ids[j], b.logprobs[j], b.top[j], tie_nats),
-                     f"{name}: token {j} is {a.ids[j]} at TP {tp}, {b.ids[j]} at TP 1 "
-                     f"(ids {list(a.ids)} vs {list(b.ids)})")
+        x, y = a.ids[j], b.ids[j]
+        out.mismatch(name, j, _tie(x, a.logprobs[j], a.top[j], y, b.logprobs[j], b.top[j], tie_nats),
+                     f"{name}: token {j} is {x} {mine_as}, {y} {theirs_as} (logprobs of {x} and {y}: "
+                     f"{_logprob(a, j, x)} and {_logprob(a, j, y)} {mine_as}, {_logprob(b, j, x)} and "
+                     f"{_logprob(b, j, y)} {theirs_as}; ids {list(a.ids)} vs {list(b.ids)})")
     return out
 
 

@@ -81,7 +81,7 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
         # the start and the weights are checked always: with every asked check not applicable, on the served server
         if not users and not (name == "served" and not active):
             continue
-        extra = {key: value for check in users for key, value in check.env(name).items()}
+        extra = {key: said for check in users for key, said in check.env(name).items()}
         try:
             # the first server to start is the one on --port, if given
             with start(stage, spec, port=port if not started else None, extra=extra) as live:

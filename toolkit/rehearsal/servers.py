@@ -71,12 +71,17 @@ COMPARED = (
 TP1 = Substitution("--tensor-parallel-size (the answers' reference server)", "the rehearsed TP", "1",
                    "the answers at TP N must equal one rank's: a reduction, a shard or a replicated KV head gone wrong "
                    "changes them")
+# the answers check's reference run with the recipe's own code out of the way
+PATHS_OFF = Substitution("fast paths (the answers' fast-paths-off server)", "as the run config switches them",
+                         "off, at TP 1", "the answers must equal the adapter's own code's: a fast path that is wrong "
+                         "alike in prefill and decode, at every TP, changes them")
 # the one registry of servers, in the order a rehearsal starts them (each once)
 SERVERS = {spec.name: spec for spec in (
     ServerSpec("served"),
     ServerSpec("cache-on", True, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), substitutions=COMPARED),
     ServerSpec("cache-off", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), substitutions=COMPARED),
     ServerSpec("tp1", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), tp=1, substitutions=(*COMPARED, TP1)),
+    ServerSpec("paths-off", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), tp=1, substitutions=(*COMPARED, PATHS_OFF)),
 )}
 
 
@@ -199,9 +204,9 @@ class Live:
 
 @contextlib.contextmanager
 def start(stage: Stage, spec: ServerSpec, port: int | None = None,
-          extra: dict[str, str] | None = None) -> Iterator[Live]:
+          extra: dict[str, tuple[str, str]] | None = None) -> Iterator[Live]:
     """`spec`'s server ready, stopped (its whole group) at the end whatever happens; its log and its stand-ins
-    record in the run folder, what it changes said as substitutions."""
+    record in the run folder, what it changes said as substitutions (`extra`: env the checks ask, with why)."""
     port = port or free_port()
     if port_in_use(port):
         raise ToolkitError(f"port {port} is already taken on 127.0.0.1: the rehearsal's server cannot listen there",
@@ -259,7 +264,7 @@ ADDED_ENV = {
 }
 
 
-def server_environment(stage: Stage, env: dict[str, str], record: Path, extra: dict[str, str],
+def server_environment(stage: Stage, env: dict[str, str], record: Path, extra: dict[str, tuple[str, str]],
                        name: str) -> tuple[dict[str, str], list[Substitution]]:
     """A server's whole environment: the run config's `env`, with every variable the rehearsal sets, replaces or
     passes through from this machine listed as a Substitution (what the run config says, what runs, why). A run
@@ -295,8 +300,8 @@ def server_environment(stage: Stage, env: dict[str, str], record: Path, extra: d
     for key, value in runtime.items():
         put(key, value, "the CPU runtime's stand-ins of the image's GPU libraries and devices (the device shims)")
     put(standins.RECORD_ENV, str(record), "where the stand-ins record what they loaded and computed", f" ({name})")
-    for key, value in extra.items():
-        put(key, value, "the profile check's probes on", f" ({name})")
+    for key, (value, why) in extra.items():
+        put(key, value, why, f" ({name})")
     return out, subs
 
 

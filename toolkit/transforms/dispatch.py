@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import libcst as cst
 from pydantic import Field
@@ -39,6 +39,12 @@ class Dispatch(ModuleEdit):
         default=None, description="Arguments passed to it (default: the function's own parameters, in order)"
     )
     when: PyExpr | None = Field(default=None, description="An extra condition, evaluated inside the function")
+    fix: bool = Field(
+        default=False, description="A fix the served code needs on the image (a kernel it lacks, an op it computes "
+        "wrong, a state vLLM does not keep), not another implementation of the same math: the rehearsal's "
+        "fast-paths-off reference keeps it on")
+    # what it says of the injected code, not the code written: a dispatch's digest (and marker) does not change with it
+    _provenance_fields: ClassVar[frozenset[str]] = ModuleEdit._provenance_fields | {"fix"}
 
 
 SWITCH_TABLE = "switches.json"  # beside the injected package's __init__.py

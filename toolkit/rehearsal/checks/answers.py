@@ -1,13 +1,18 @@
 """answers: the oracles (toolkit/rehearsal/oracles.py) on the served token ids: the answers at TP N against TP 1's,
-and every decoded token against a fresh prefill's next token."""
+against those of the recipe's fast paths off (the adapter's own code, TP 1), against the plain forward's
+(toolkit/rehearsal/forward.py: outside vLLM, none of the recipe's code), and every decoded token against a fresh
+prefill's next token."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from toolkit.errors import ToolkitError
+from toolkit.recipe import Recipe
 from toolkit.rehearsal.checks.base import RehearsalCheck, Run
 from toolkit.rehearsal.checks.prefix_cache import conversations
 from toolkit.rehearsal.model import COMPARED_DTYPE, TIE_NATS, TOP_LOGPROBS, Check
@@ -15,14 +20,54 @@ from toolkit.rehearsal.oracles import (
     Answer,
     Comparison,
     Prompt,
+    against,
     against_prefill,
-    against_tp1,
     answers,
     prefill_prompts,
     tokenize,
 )
 from toolkit.rehearsal.requests import multi_system_messages
 from toolkit.rehearsal.servers import Live, Stage
+from toolkit.transforms.dispatch import Dispatch
+from toolkit.variants import find as find_variant
+
+PLAIN = "in the plain forward"
+PATHS_OFF = "with the fast paths off"
+
+
+@dataclass(frozen=True)
+class FastPathsOff:
+    """The env that turns the recipe's fast paths off (over the served run config's), how it was made, and what it
+    leaves as served: fast paths it does not switch, code the recipe replaces with no switch, and the fixes."""
+
+    env: dict[str, str]
+    made: str
+    not_covered: tuple[str, ...]
+    fixes: tuple[str, ...]  # the dispatches that are fixes the image needs (`fix: true`), kept on
+
+
+def fast_paths_off(recipe: Recipe) -> FastPathsOff:
+    """The recipe's `checks.fast_paths_off` variant's env, or every fast-path dispatch switch the recipe adds set to
+    0 (a dispatch that is a fix stays on)."""
+    dispatches = [t for t in recipe.transforms if isinstance(t, Dispatch)]
+    switches = [t.switch for t in dispatches if not t.fix]
+    fixes = tuple(t.switch for t in dispatches if t.fix)
+    name = recipe.checks.fast_paths_off
+    if name:
+        variant = find_variant(recipe, name)
+        if variant.args or any(v is None for v in variant.env.values()):
+            raise ToolkitError(f"checks.fast_paths_off names variant {name}, which changes serve args or unsets env "
+                               f"({variant.describe()}): the fast-paths-off reference differs from the served variant "
+                               "in switches it sets only", hint=f"give {name} only env values")
+        env = {key: str(value) for key, value in variant.env.items()}
+        made = f"the variant {name} ({variant.describe()})"
+    else:
+        env = {switch: "0" for switch in switches}
+        made = ("every fast-path dispatch switch the recipe adds set to 0 (the recipe names no checks.fast_paths_off "
+                "variant): " + " ".join(f"{s}=0" for s in switches))
+    left = [f"{s} (a fast path left as served)" for s in switches if s not in env]
+    replaced = [f"{t.id} (replace-body: no switch)" for t in recipe.transforms if t.kind == "replace-body"]
+    return FastPathsOff(env, made, tuple(left + replaced), fixes)
 
 # each answer's length: its decoded tokens are compared one by one with a fresh prefill's
 ANSWER_TOKENS = 12
@@ -59,9 +104,22 @@ def _tokenized(live: Live) -> list[Prompt]:
     return asyncio.run(run())
 
 
-def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]],
-                  theirs: list[Answer] | None) -> Check:
-    """The oracles' verdict: TP N against TP 1 (when TP N > 1), every decoded token against a fresh prefill."""
+def plain_answers(stage: Stage, prompts: list[Prompt]) -> tuple[list[Answer] | None, str]:
+    """The plain forward's answers to `prompts` on the served checkpoint, or None and why it cannot read it."""
+    from toolkit.rehearsal.forward import reference_answers
+
+    if not (stage.model / "model.safetensors").is_file():
+        return None, (f"the plain forward reads one model.safetensors, which {stage.model} does not have: the answers "
+                      "are not compared outside vLLM")
+    return reference_answers(stage.python, stage.model, prompts, ANSWER_TOKENS, TOP_LOGPROBS), ""
+
+
+def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]], theirs: list[Answer] | None,
+                  plain: list[Answer] | None, unplain: str = "", off: list[Answer] | None = None,
+                  reference: FastPathsOff | None = None) -> Check:
+    """The oracles' verdict: TP N against TP 1 (when TP N > 1), against the fast paths off (`off`, made as
+    `reference` says), against the plain forward (where it reads the checkpoint; `unplain` says why not), every
+    decoded token against a fresh prefill."""
     problems: list[str] = []
     noted: list[str] = []
     said: list[str] = []
@@ -69,7 +127,7 @@ def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]],
     if failed:
         return Check("answers", False, "the answers could not be read: " + "; ".join(failed))
     if theirs is not None:
-        tp1 = against_tp1(mine, theirs, TIE_NATS, tp)
+        tp1 = against(mine, theirs, TIE_NATS, f"at TP {tp}", "at TP 1")
         if found := tp1.problems(MIN_COMPARED, f"of TP {tp} against TP 1"):
             problems.append(f"TP {tp} differs from TP 1: {'; '.join(found)}")
         if tp1.ties:
@@ -77,6 +135,32 @@ def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]],
         said.append(f"{tp1.compared} tokens of {len(mine)} answers at TP {tp} equal TP 1's")
     else:
         said.append("TP 1 is the rehearsed size: no answer of another rank count to compare with")
+    if off is not None and reference is not None:
+        own = against(mine, off, TIE_NATS, f"at TP {tp}", PATHS_OFF)
+        if found := own.problems(MIN_COMPARED, f"of TP {tp} against the fast paths off"):
+            problems.append(f"TP {tp} differs from the recipe's fast paths off ({reference.made}): {'; '.join(found)}")
+        if own.ties:
+            noted.append(f"TP {tp} parted from the fast paths off only at a near-tie: {', '.join(own.ties)}")
+        said.append(f"{own.compared} tokens of {len(mine)} answers equal those with the fast paths off (TP 1, "
+                    f"{reference.made})")
+        if reference.not_covered:
+            noted.append("not covered by the fast-paths-off reference: " + ", ".join(reference.not_covered))
+        if reference.fixes:
+            noted.append("kept on there, fixes the image needs: " + ", ".join(reference.fixes))
+    elif reference is not None and not reference.env:
+        noted.append("no fast path to turn off (every dispatch the recipe adds is a fix): the fast-paths-off reference "
+                     "would be the served code itself, not run")
+    if plain is not None:
+        outside = against(mine, plain, TIE_NATS, f"at TP {tp}", PLAIN)
+        if found := outside.problems(MIN_COMPARED, f"of TP {tp} against the plain forward"):
+            problems.append(f"TP {tp} differs from the plain forward (outside vLLM: a path the recipe serves computes "
+                            f"another model): {'; '.join(found)}")
+        if outside.ties:
+            noted.append(f"TP {tp} parted from the plain forward only at a near-tie: {', '.join(outside.ties)}")
+        said.append(f"{outside.compared} tokens of {len(mine)} answers equal the plain forward's (outside vLLM, "
+                    "from the model's math)")
+    elif unplain:
+        noted.append(unplain)
     prefill = Comparison()
     for answer, following in zip(mine, nexts, strict=True):
         one = against_prefill(answer, following, TIE_NATS)
@@ -98,7 +182,8 @@ def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]],
 
 class Answers(RehearsalCheck):
     name = "answers"
-    summary = "the oracles: TP N = TP 1, each decoded token = a fresh prefill's next"
+    summary = ("the oracles: TP N = TP 1 = the fast paths off = the plain forward outside vLLM, each decoded token = "
+               "a fresh prefill's next")
     servers = ("cache-off",)
 
     def __init__(self, run: Run) -> None:
@@ -107,18 +192,32 @@ class Answers(RehearsalCheck):
         self.mine: list[Answer] = []
         self.nexts: list[list[Answer]] = []
         self.theirs: list[Answer] | None = None
+        self.plain: list[Answer] | None = None
+        self.unplain = ""
+        self.off: list[Answer] | None = None
+        self.reference = fast_paths_off(run.stage.recipe)  # refused before anything starts when it cannot be made
 
     def needs(self) -> tuple[str, ...]:
         # the TP 1 reference only where there is another rank count, and only for answers that were read (a failure
         # is reported as it is, not hidden behind another start)
-        if self.run.stage.tp > 1 and not any(a.error for a in self.mine):
-            return (*self.servers, "tp1")
-        return self.servers
+        if any(a.error for a in self.mine):
+            return self.servers
+        paths_off = ("paths-off",) if self.reference.env else ()  # no fast path to turn off: the served code
+        return (*self.servers, *(("tp1",) if self.run.stage.tp > 1 else ()), *paths_off)
+
+    def env(self, server: str) -> dict[str, tuple[str, str]]:
+        if server != "paths-off":
+            return {}
+        return {key: (value, f"the answers' reference with the fast paths off: {self.reference.made}")
+                for key, value in self.reference.env.items()}
 
     def on(self, server: str, live: Live) -> None:
         stage, tp = self.run.stage, self.run.stage.tp
         if server == "tp1":
             self.theirs = _answer(stage, live, "answers, TP 1", self.prompts, ANSWER_TOKENS)
+            return
+        if server == "paths-off":
+            self.off = _answer(stage, live, "answers, the fast paths off, TP 1", self.prompts, ANSWER_TOKENS)
             return
         self.prompts = _tokenized(live)
         self.mine = _answer(stage, live, f"answers, TP {tp}", self.prompts, ANSWER_TOKENS)
@@ -129,8 +228,11 @@ class Answers(RehearsalCheck):
         for group in following:
             self.nexts.append(flat[at:at + len(group)])
             at += len(group)
+        if not any(a.error for a in self.mine):
+            self.plain, self.unplain = plain_answers(stage, self.prompts)
 
     def verdict(self) -> Check:
         if not self.mine:
             return self.unsent()
-        return answers_check(self.run.stage.tp, self.mine, self.nexts, self.theirs)
+        return answers_check(self.run.stage.tp, self.mine, self.nexts, self.theirs, self.plain, self.unplain,
+                             self.off, self.reference)

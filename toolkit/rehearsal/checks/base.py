@@ -58,8 +58,8 @@ class RehearsalCheck:
         it)."""
         return self.servers
 
-    def env(self, server: str) -> dict[str, str]:
-        """More env for `server` (the served server's probes, for the profile)."""
+    def env(self, server: str) -> dict[str, tuple[str, str]]:
+        """More env for `server`, each with why (the served server's probes, for the profile)."""
         return {}
 
     def on(self, server: str, live: Live) -> None:

@@ -55,8 +55,11 @@ class Profile(RehearsalCheck):
     def not_applicable(self) -> str | None:
         return None if declared(self.run.stage.recipe) else "the recipe declares no probe"
 
-    def env(self, server: str) -> dict[str, str]:
-        return {**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(self.folder)} if server == "served" else {}
+    def env(self, server: str) -> dict[str, tuple[str, str]]:
+        if server != "served":
+            return {}
+        return {key: (value, "the profile check's probes on")
+                for key, value in {**PROFILE_ENV, "TOOLKIT_PROFILE_DIR": str(self.folder)}.items()}
 
     def on(self, server: str, live: Live) -> None:
         short_request(self.run, live)  # the table needs a prefill and decode steps to hold
