@@ -57,6 +57,13 @@ def test_unknown_key_lists_valid_keys() -> None:
     assert "valid keys here:" in str(err) and "arg, call, expect, file" in str(err)
 
 
+def test_a_fast_paths_off_variant_that_does_not_exist_is_refused_with_the_known_ones() -> None:
+    assert "fast_paths_off: adapter-paths" in GOOD
+    err = error_for(GOOD.replace("fast_paths_off: adapter-paths", "fast_paths_off: adapter-path", 1))
+    assert "checks.fast_paths_off names variant 'adapter-path', which is not under variants (known: " in str(err)
+    assert "adapter-paths" in str(err)
+
+
 def test_unknown_top_level_key() -> None:
     err = error_for(GOOD + "servings: {}\n")
     assert err.line == len(GOOD.splitlines()) + 1

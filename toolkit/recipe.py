@@ -408,6 +408,14 @@ class Recipe(Strict):
         return self
 
     @model_validator(mode="after")
+    def _known_reference_variant(self) -> Recipe:
+        name = self.checks.fast_paths_off
+        if name is not None and name not in self.variants:
+            raise ValueError(f"checks.fast_paths_off names variant {name!r}, which is not under variants (known: "
+                             f"{', '.join(self.variants) or 'none'})")
+        return self
+
+    @model_validator(mode="after")
     def _known_packages(self) -> Recipe:
         names = {p.name for p in self.packages}
         if self.vendor.package in names:
