@@ -638,6 +638,38 @@ def test_the_oracles_fail_on_a_different_token_step_over_a_near_tie_and_refuse_t
                                                                 (1, 2, 3, 1, 2, 3)]
 
 
+def test_the_answers_verdict_reads_every_reference_and_names_the_one_that_differs() -> None:
+    from toolkit.rehearsal.checks.answers import FastPathsOff, answers_check
+
+    ids = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21]]
+    mine = [_answer(f"p{k}", i) for k, i in enumerate(ids)]
+    nexts = [[_answer(f"p{k}+{j}", [t]) for j, t in enumerate(i)] for k, i in enumerate(ids)]
+    same = [_answer(f"p{k}", i) for k, i in enumerate(ids)]
+    reference = FastPathsOff({"MOE_NATIVE": "0"}, "the variant off (MOE_NATIVE=0)", ("X (a fast path left as served)",),
+                             ("FIX",))
+    held = answers_check(2, mine, nexts, same, same, "", same, reference)
+    assert held.ok, held.detail
+    assert held.detail.startswith("21 tokens of 3 answers at TP 2 equal TP 1's; 21 tokens of 3 answers equal those "
+                                  "with the fast paths off (TP 1, the variant off (MOE_NATIVE=0)); 21 tokens of 3 "
+                                  "answers equal the plain forward's (outside vLLM, from the model's math); 18 decoded "
+                                  "tokens each equal"), held.detail
+    assert "not covered by the fast-paths-off reference: X (a fast path left as served)" in held.detail
+    assert "kept on there, fixes the image needs: FIX" in held.detail
+    wrong = [_answer("p0", [1, 2, 9, 4, 5, 6, 7]), *same[1:]]
+    plain_differs = answers_check(2, mine, nexts, same, wrong, "", same, reference)
+    assert not plain_differs.ok and plain_differs.detail.startswith(
+        "TP 2 differs from the plain forward (outside vLLM: a path the recipe serves computes another model): p0: "
+        "token 2 is 3 at TP 2, 9 in the plain forward"), plain_differs.detail
+    off_differs = answers_check(2, mine, nexts, same, same, "", wrong, reference)
+    assert not off_differs.ok and off_differs.detail.startswith(
+        "TP 2 differs from the recipe's fast paths off (the variant off (MOE_NATIVE=0)): p0: token 2 is 3 at TP 2, 9 "
+        "with the fast paths off"), off_differs.detail
+    # nothing to turn off, a checkpoint the plain forward cannot read: each said, neither failed
+    unread = answers_check(1, mine, nexts, None, None, "the plain forward reads one model.safetensors", None,
+                           FastPathsOff({}, "", (), ("FIX",)))
+    assert unread.ok and "no fast path to turn off" in unread.detail and "reads one model.safetensors" in unread.detail
+
+
 def test_the_tiny_model_keeps_the_recipes_kv_heads_relation_to_tp() -> None:
     from toolkit.runtime.tiny_model import kv_heads, tiny_spec
 

@@ -126,23 +126,22 @@ def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]], theirs
     failed = [f"{a.prompt.name}: {a.error}" for a in mine if a.error]
     if failed:
         return Check("answers", False, "the answers could not be read: " + "; ".join(failed))
+    def oracle(theirs: list[Answer], theirs_as: str, what: str, differs: str, equal: str) -> None:
+        """One reference's verdict: the answers against `theirs`, read into problems, near-ties and what held."""
+        found = against(mine, theirs, TIE_NATS, f"at TP {tp}", theirs_as)
+        if shown := found.problems(MIN_COMPARED, f"of TP {tp} against {what}"):
+            problems.append(f"{differs}: {'; '.join(shown)}")
+        if found.ties:
+            noted.append(f"TP {tp} parted from {what} only at a near-tie: {', '.join(found.ties)}")
+        said.append(f"{found.compared} tokens of {len(mine)} answers {equal}")
+
     if theirs is not None:
-        tp1 = against(mine, theirs, TIE_NATS, f"at TP {tp}", "at TP 1")
-        if found := tp1.problems(MIN_COMPARED, f"of TP {tp} against TP 1"):
-            problems.append(f"TP {tp} differs from TP 1: {'; '.join(found)}")
-        if tp1.ties:
-            noted.append(f"TP {tp} parted from TP 1 only at a near-tie: {', '.join(tp1.ties)}")
-        said.append(f"{tp1.compared} tokens of {len(mine)} answers at TP {tp} equal TP 1's")
+        oracle(theirs, "at TP 1", "TP 1", f"TP {tp} differs from TP 1", f"at TP {tp} equal TP 1's")
     else:
         said.append("TP 1 is the rehearsed size: no answer of another rank count to compare with")
     if off is not None and reference is not None:
-        own = against(mine, off, TIE_NATS, f"at TP {tp}", PATHS_OFF)
-        if found := own.problems(MIN_COMPARED, f"of TP {tp} against the fast paths off"):
-            problems.append(f"TP {tp} differs from the recipe's fast paths off ({reference.made}): {'; '.join(found)}")
-        if own.ties:
-            noted.append(f"TP {tp} parted from the fast paths off only at a near-tie: {', '.join(own.ties)}")
-        said.append(f"{own.compared} tokens of {len(mine)} answers equal those with the fast paths off (TP 1, "
-                    f"{reference.made})")
+        oracle(off, PATHS_OFF, "the fast paths off", f"TP {tp} differs from the recipe's fast paths off "
+               f"({reference.made})", f"equal those with the fast paths off (TP 1, {reference.made})")
         if reference.not_covered:
             noted.append("not covered by the fast-paths-off reference: " + ", ".join(reference.not_covered))
         if reference.fixes:
@@ -151,14 +150,9 @@ def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]], theirs
         noted.append("no fast path to turn off (every dispatch the recipe adds is a fix): the fast-paths-off reference "
                      "would be the served code itself, not run")
     if plain is not None:
-        outside = against(mine, plain, TIE_NATS, f"at TP {tp}", PLAIN)
-        if found := outside.problems(MIN_COMPARED, f"of TP {tp} against the plain forward"):
-            problems.append(f"TP {tp} differs from the plain forward (outside vLLM: a path the recipe serves computes "
-                            f"another model): {'; '.join(found)}")
-        if outside.ties:
-            noted.append(f"TP {tp} parted from the plain forward only at a near-tie: {', '.join(outside.ties)}")
-        said.append(f"{outside.compared} tokens of {len(mine)} answers equal the plain forward's (outside vLLM, "
-                    "from the model's math)")
+        oracle(plain, PLAIN, "the plain forward", f"TP {tp} differs from the plain forward (outside vLLM: a path the "
+               "recipe serves computes another model)",
+               "equal the plain forward's (outside vLLM, from the model's math)")
     elif unplain:
         noted.append(unplain)
     prefill = Comparison()
