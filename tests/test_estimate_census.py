@@ -51,6 +51,8 @@ def _recipe(folder: Path) -> Path:
         shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     recipe = folder / "recipes" / FLAGSHIP.name
     head, _, _ = recipe.read_text(encoding="utf-8").partition("\nvariants:")
+    # checks.fast_paths_off names a variant this copy drops
+    head = "\n".join(line for line in head.splitlines() if not line.strip().startswith("fast_paths_off:"))
     recipe.write_text(head + "\nvariants:\n  moe-adapter:\n    env:\n      MOE_NATIVE: \"0\"\n", encoding="utf-8")
     return recipe
 

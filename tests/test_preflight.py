@@ -127,6 +127,7 @@ def test_unhardcoded_flags_count_and_the_vendor_forces_them(cli, python: Path, a
         data["serve"]["args"]["disable-custom-all-reduce"] = False
         data["variants"] = {"with-flags": {"args": {"enforce-eager": True, "disable-custom-all-reduce": True}}}
         data.pop("matrix")
+        data["checks"].pop("fast_paths_off")  # it names a variant this copy drops
 
     patched = by_variant(cli("preflight", recipe_copy(tmp_path / "a", without_flags), "--all-variants", *source))
     config = patched["base"]["config"]
@@ -151,6 +152,7 @@ def test_the_vendor_refuses_an_unknown_flag_and_parser(cli, python: Path, adapte
         data["variants"] = {"other-parser": {"args": {"num-scheduler-stepz": None, "tool-call-parser": "qwen4"}},
                             "tiny-batch": {"args": {"num-scheduler-stepz": None, "max-num-batched-tokens": 2}}}
         data.pop("matrix")
+        data["checks"].pop("fast_paths_off")  # it names a variant this copy drops
 
     result = cli("preflight", recipe_copy(tmp_path, bad), "--all-variants", "--source",
                  f"qwen36-adapter={clone}@{commit}", "--json")
@@ -305,6 +307,10 @@ def test_real_roots_build_and_preflight_with_the_adapters_own_files(cli, python:
     assert len(said) == 1 and f"on a patched copy of the vendor roots under {corex_rootfs}" in said[0], said
     assert "not checked here" not in said[0]  # the adapter is here: its flag, parsers and model were checked
     assert tree_digest(corex_rootfs) == before
+    # preflight runs the roots as they are: roots the recipe is not applied to are another submission's code
+    unapplied = cli("preflight", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
+    assert unapplied.code == 2 and "the recipe is not applied there" in unapplied.json()["error"], unapplied.out
+    assert "toolkit apply" in unapplied.json()["fix"]
 
     assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *args).code == 0
     result = cli("preflight", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
@@ -331,6 +337,12 @@ def test_real_roots_build_and_preflight_with_the_adapters_own_files(cli, python:
     assert changed.code == 0 and not changed.json()["notes"][0].endswith("remembered from an earlier run on the "
                                                                           "same files"), changed.json()["notes"][0]
     assert by_variant(changed) == by_variant(result)
+    # that the roots hold the adapter's files is checked against the adapter: without it, refused naming it (and
+    # not as a tree to build: preflight builds none with --rootfs)
+    bare = cli("preflight", FLAGSHIP, "--rootfs", corex_rootfs, "--package-root", f"transformers={site}", "--json")
+    assert bare.code == 2 and "cannot check that the recipe is applied there" in bare.json()["error"], bare.out
+    assert "source 'qwen36-adapter' is not available here" in bare.json()["error"]
+    assert "--source qwen36-adapter=PATH" in bare.json()["fix"] and "would not be the submission's" not in bare.out
 
     # one verdict for one input: build on the roots apply just patched reaches apply's states (it once refused
     # the transformers root: "exists in the vendor roots with content this recipe did not deploy")

@@ -694,7 +694,7 @@ def test_every_variable_a_server_gets_beyond_the_run_configs_is_a_substitution_a
     env = {"PYTHONPATH": "/usr/local/corex/lib64/python3/dist-packages:/opt/not-in-the-image", "MOE_NATIVE": "1",
            "HF_HUB_OFFLINE": "0"}
     out, subs = servers.server_environment(stage, env, tmp_path / "standins.json",  # type: ignore[arg-type]
-                                            {"TOOLKIT_PROFILE": "1"}, "served")
+                                            {"TOOLKIT_PROFILE": ("1", "profiled")}, "served")
     paths = out["PYTHONPATH"].split(":")
     assert paths[1] == str(tree) and paths[2:] == [str(image / "usr/local/corex/lib64/python3/dist-packages"),
                                                    "/opt/not-in-the-image"], paths

@@ -122,6 +122,23 @@ def require_complete(loaded: LoadedRecipe, pinned: dict[str, Path], verb: str) -
                            hint=fix)
 
 
+def require_applied(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path, verb: str, fix: str) -> None:
+    """Refuse, before anything is started, a run on vendor roots the recipe is not applied to (the first root is
+    verified as `toolkit verify` does): the code there is not the submission's. fix: what the verb's user does."""
+    from toolkit.engine.verify import verify_tree
+
+    try:
+        results = verify_tree(loaded, rootfs_roots(loaded.recipe, rootfs)[:1], rootfs, pinned).results
+    except ToolkitError as exc:
+        raise ToolkitError(f"{verb}: --rootfs {rootfs}: cannot check that the recipe is applied there: {exc.message}",
+                           hint=exc.hint or "pass --source NAME=PATH") from None
+    missing = sorted({r.transform for r in results if r.state in (State.WOULD_APPLY, State.DRIFTED)})
+    if missing:
+        raise ToolkitError(
+            f"{verb}: --rootfs {rootfs}: the recipe is not applied there: {len(missing)} transform(s) not in place "
+            f"({', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}); nothing was started", hint=fix)
+
+
 def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | None = None,
                given: dict[str, str] | None = None) -> Trial:
     """given: --package-root NAME=DIR, where a declared package is under the rootfs."""

@@ -13,7 +13,7 @@ from toolkit.commands.common import Inputs, chosen_variants, pinned
 from toolkit.errors import EXIT_CANNOT_START, EXIT_OK
 from toolkit.recipe import load_recipe
 from toolkit.results import Report
-from toolkit.trial import require_complete
+from toolkit.trial import require_applied, require_complete
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,12 @@ def preflight(request: PreflightRequest) -> Report:
     from toolkit.runtime.env import runtime
 
     loaded, found = pinned(load_recipe(request.recipe), request.inputs)
-    require_complete(loaded, found, "preflight")
+    if request.rootfs is None:
+        require_complete(loaded, found, "preflight")
+    else:  # the roots are run as they are: what must be complete is what is there, not what could be built here
+        require_applied(loaded, found, request.rootfs, "preflight",
+                        f"`toolkit apply {request.recipe} --rootfs {request.rootfs}` first (preflight runs the roots "
+                        "as they are), or leave --rootfs out to run a patched copy of the reference tree")
     variants = chosen_variants(loaded, request.variant, request.all_variants)
     python = runtime()
     started = time.monotonic()

@@ -64,26 +64,13 @@ def _rundir(request: RehearseRequest) -> Path:
 def refuse_unapplied(loaded: LoadedRecipe, found: dict[str, Path], request: RehearseRequest) -> None:
     """A tree without some of the recipe's transforms serves another submission (a server that dies on a flag a
     missing transform adds, or worse, starts): refused before anything is built or started, naming them."""
-    from toolkit.trial import require_complete
+    from toolkit.trial import require_applied, require_complete
 
     if request.rootfs is not None and not request.apply_to_rootfs:
-        from toolkit.commands.common import vendor_roots
-        from toolkit.engine.verify import verify_tree
-        from toolkit.results import State
-
-        roots, rootfs = vendor_roots(loaded, request.rootfs)
-        try:
-            results = verify_tree(loaded, roots[:1], rootfs, found).results
-        except ToolkitError as exc:
-            raise ToolkitError(f"--rootfs {request.rootfs}: cannot check that the recipe is applied there: "
-                               f"{exc.message}", hint=exc.hint or "pass --source NAME=PATH") from None
-        missing = sorted({r.transform for r in results if r.state in (State.WOULD_APPLY, State.DRIFTED)})
-        if missing:
-            raise ToolkitError(
-                f"--rootfs {request.rootfs}: the recipe is not applied there: {len(missing)} transform(s) not in "
-                f"place ({', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}); nothing was started",
-                hint=f"`toolkit apply {request.recipe} --rootfs {request.rootfs}` first, or rehearse a copy with the "
-                "recipe applied (`toolkit rehearse RECIPE --rootfs DIR --apply-to-copy`, as preflight --rootfs does)")
+        require_applied(loaded, found, request.rootfs, "rehearse",
+                        f"`toolkit apply {request.recipe} --rootfs {request.rootfs}` first, or rehearse a copy with "
+                        "the recipe applied (`toolkit rehearse RECIPE --rootfs DIR --apply-to-copy`, as build "
+                        "--rootfs does)")
         return
     require_complete(loaded, found, "rehearse")
 

@@ -51,7 +51,7 @@ class TransformBase(Strict):
         "of a deployed module): where they cannot be applied (a source not available here), neither is this one")
 
     # Fields that do not change what the transform does; a change to them must not make markers stale.
-    _provenance_fields: typing.ClassVar[frozenset[str]] = frozenset({"why", "remove_when", "requires"})
+    provenance_fields: typing.ClassVar[frozenset[str]] = frozenset({"why", "remove_when", "requires"})
 
     @property
     def target_label(self) -> str:
@@ -68,7 +68,7 @@ class TransformBase(Strict):
         return []
 
     def digest(self) -> str:
-        body = self.model_dump(mode="json", exclude=set(self._provenance_fields))
+        body = self.model_dump(mode="json", exclude=set(self.provenance_fields))
         if body.get("package") is None:
             body.pop("package", None)  # the default package: digests of existing transforms stay as they were
         raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()

@@ -44,7 +44,7 @@ class Dispatch(ModuleEdit):
         "wrong, a state vLLM does not keep), not another implementation of the same math: the rehearsal's "
         "fast-paths-off reference keeps it on")
     # what it says of the injected code, not the code written: a dispatch's digest (and marker) does not change with it
-    _provenance_fields: ClassVar[frozenset[str]] = ModuleEdit._provenance_fields | {"fix"}
+    provenance_fields: ClassVar[frozenset[str]] = ModuleEdit.provenance_fields | {"fix"}
 
 
 SWITCH_TABLE = "switches.json"  # beside the injected package's __init__.py
