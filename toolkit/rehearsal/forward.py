@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 COMPARED = "float32"
+ROPE_THETA = 10_000_000  # the adapter's default where a config names none (qwen3_5.py, the attention's get_rope)
+PREFIXES = ("model.language_model.", "model.")  # the composite checkpoint's text model, or a text-only one's
 
 
 def reference_answers(python: Path, model: Path, prompts: list[Any], max_tokens: int, top: int) -> list[Any]:
@@ -35,7 +37,8 @@ def reference_answers(python: Path, model: Path, prompts: list[Any], max_tokens:
         out = Path(tmp) / "answers.json"
         proc = subprocess.run(script(python, Path(__file__), str(request), str(out)), capture_output=True, text=True)
         if proc.returncode != 0:
-            raise ToolkitError(f"the plain forward of {model} failed:\n{proc.stderr[-3000:]}",
+            last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}, nothing on stderr"])[-1]
+            raise ToolkitError(f"the plain forward of {model} failed: {last}\n{proc.stderr[-3000:]}",
                                hint="toolkit/rehearsal/forward.py computes the reference answers; its error is above")
         found = json.loads(out.read_text())
     return [Answer(p, tuple(a["ids"]), tuple(a["logprobs"]), tuple({int(k): v for k, v in t.items()} for t in a["top"]))
@@ -84,10 +87,16 @@ class Model:
 
         config = json.loads((folder / "config.json").read_text())
         self.c = config["text_config"]
-        self.w = {k.removeprefix("model.language_model."): v.to(torch.float32)
-                  for k, v in load_file(str(folder / "model.safetensors")).items()}
+        self.w = {_unprefixed(k): v.to(torch.float32) for k, v in load_file(str(folder / "model.safetensors")).items()}
+        if "lm_head.weight" not in self.w and self.c.get("tie_word_embeddings", config.get("tie_word_embeddings")):
+            self.w["lm_head.weight"] = self.w["embed_tokens.weight"]
         self.eps = float(self.c["rms_norm_eps"])
-        self.cache: list[dict[str, Any]] = [{} for _ in self.c["layer_types"]]
+        self.cache: list[dict[str, Any]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """A new sequence: no layer has seen a token."""
+        self.cache = [{} for _ in self.c["layer_types"]]
 
     def forward(self, ids: list[int], start: int) -> Any:
         """The logits of each of `ids` (at positions start, start + 1, ...), the layers' caches carried on."""
@@ -102,7 +111,7 @@ class Model:
                 h = h + self.attention(p + "self_attn.", x, positions, self.cache[i])
             else:
                 h = h + self.gated_delta_net(p + "linear_attn.", x, self.cache[i])
-            h = h + self.moe(p + "mlp.", rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.eps))
+            h = h + self.mlp(p + "mlp.", rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.eps))
         return rms_norm(h, self.w["norm.weight"], self.eps) @ self.w["lm_head.weight"].T
 
     def attention(self, p: str, x: Any, positions: Any, cache: dict[str, Any]) -> Any:
@@ -119,7 +128,8 @@ class Model:
         v = (x @ w[p + "v_proj.weight"].T).view(tokens, kv_heads, dim)
         q, k = rms_norm(q, w[p + "q_norm.weight"], self.eps), rms_norm(k, w[p + "k_norm.weight"], self.eps)
         rope_of = {**c, **(c.get("rope_parameters") or {})}  # a newer config nests them there
-        rotary, theta = int(dim * rope_of.get("partial_rotary_factor", 0.25)), float(rope_of["rope_theta"])
+        rotary = int(dim * rope_of.get("partial_rotary_factor", 0.25))
+        theta = float(rope_of.get("rope_theta", ROPE_THETA))
         q, k = rope(q, positions, rotary, theta), rope(k, positions, rotary, theta)
         cache["k"] = k = torch.cat([cache["k"], k]) if "k" in cache else k
         cache["v"] = v = torch.cat([cache["v"], v]) if "v" in cache else v
@@ -166,24 +176,54 @@ class Model:
         normed = gated_rms_norm(torch.stack(out), z, w[p + "norm.weight"], self.eps)
         return normed.reshape(tokens, hv * dv) @ w[p + "out_proj.weight"].T
 
+    def mlp(self, p: str, x: Any) -> Any:
+        """A layer's MLP: the mixture of experts where the layer has a router, else one dense SwiGLU."""
+        w = self.w
+        if p + "gate.weight" in w:
+            return self.moe(p, x)
+        return swiglu(x, w[p + "gate_proj.weight"], w[p + "up_proj.weight"], w[p + "down_proj.weight"])
+
+    def expert(self, p: str, e: int) -> tuple[Any, Any, Any]:
+        """Expert e's gate, up and down weights: from the fused tensors (gate_up_proj: gate rows, then up rows) or
+        from the expert's own."""
+        w = self.w
+        if p + "experts.gate_up_proj" in w:
+            gate, up = w[p + "experts.gate_up_proj"][e].chunk(2, dim=0)
+            return gate, up, w[p + "experts.down_proj"][e]
+        one = f"{p}experts.{e}."
+        return w[one + "gate_proj.weight"], w[one + "up_proj.weight"], w[one + "down_proj.weight"]
+
     def moe(self, p: str, x: Any) -> Any:
         """The router (softmax over experts, top-k, the k weights renormalised to sum 1), each chosen expert's
-        SwiGLU (gate_up_proj: gate rows, then up rows), and the shared expert scaled by sigmoid(its gate)."""
+        SwiGLU, and the shared expert (where there is one) scaled by sigmoid(its gate)."""
         import torch
-        import torch.nn.functional as F
 
         w, top = self.w, self.c["num_experts_per_tok"]
         weights, chosen = (x @ w[p + "gate.weight"].T).softmax(-1).topk(top, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        gate_up, down = w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"]
         routed = torch.zeros_like(x)
         for e in chosen.unique().tolist():
             token, slot = (chosen == e).nonzero(as_tuple=True)
-            gate, up = (x[token] @ gate_up[e].T).chunk(2, dim=-1)
-            routed.index_add_(0, token, weights[token, slot][:, None] * ((F.silu(gate) * up) @ down[e].T))
-        shared = (F.silu(x @ w[p + "shared_expert.gate_proj.weight"].T) * (x @ w[p + "shared_expert.up_proj.weight"].T)
-                  ) @ w[p + "shared_expert.down_proj.weight"].T
+            routed.index_add_(0, token, weights[token, slot][:, None] * swiglu(x[token], *self.expert(p, e)))
+        if p + "shared_expert.gate_proj.weight" not in w:
+            return routed
+        shared = swiglu(x, w[p + "shared_expert.gate_proj.weight"], w[p + "shared_expert.up_proj.weight"],
+                        w[p + "shared_expert.down_proj.weight"])
         return routed + torch.sigmoid(x @ w[p + "shared_expert_gate.weight"].T) * shared
+
+
+def swiglu(x: Any, gate: Any, up: Any, down: Any) -> Any:
+    """silu(x gate^T) * (x up^T), projected by down: an expert, the shared expert, a dense MLP."""
+    import torch.nn.functional as F
+
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def _unprefixed(name: str) -> str:
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return name
 
 
 def _upstream(folder: Path) -> Any:
@@ -196,6 +236,9 @@ def _upstream(folder: Path) -> Any:
     class Upstream:
         def __init__(self) -> None:
             self.ids: list[int] = []
+
+        def reset(self) -> None:
+            self.ids = []
 
         def forward(self, ids: list[int], start: int) -> Any:
             self.ids = self.ids + ids  # each step recomputes the whole sequence: small models, few tokens
@@ -211,6 +254,7 @@ def greedy(model: Any, prompt: list[int], max_tokens: int, top: int) -> dict[str
     ids: list[int] = []
     logprobs: list[float] = []
     tops: list[dict[str, float]] = []
+    model.reset()
     logits = model.forward(prompt, 0)[-1]
     for _ in range(max_tokens):
         lp = torch.log_softmax(logits.double(), -1)
@@ -231,8 +275,8 @@ def main(request_path: Path, out_path: Path) -> None:
     folder = Path(request["model"])
     config = json.loads((folder / "config.json").read_text())
     hybrid = "layer_types" in config.get("text_config", {})
-    answers = [greedy(Model(folder) if hybrid else _upstream(folder), prompt, request["max_tokens"], request["top"])
-               for prompt in request["prompts"]]
+    model = Model(folder) if hybrid else _upstream(folder)  # read once; each prompt starts from reset caches
+    answers = [greedy(model, prompt, request["max_tokens"], request["top"]) for prompt in request["prompts"]]
     out_path.write_text(json.dumps(answers))
 
 
