@@ -440,3 +440,19 @@ def test_build_refuses_the_short_context_copy_that_a_diagnostic_run_takes(cli: A
     assert "context-length" in result.err and "does not exceed the workload's 235000 tokens" in result.err
     assert "the recipe would not be accepted as a submission; lint found 1 error(s)" in result.err
     assert "preflight, rehearse, estimate and experiment run it as it is" in result.err
+
+
+def test_variants_marks_a_platform_only_configuration_and_drops_only_what_cannot_start(cli: Any,
+                                                                                      tmp_path: Path) -> None:
+    result = cli("variants", write(tmp_path, set_args(max_model_len=100000)), "--json")
+    assert result.code == 0, result.out + result.err
+    variants = {v["name"]: v for v in result.json()["variants"]}
+    # the diagnostic verbs run these (they used to be DROPPED as if vLLM refused them)
+    assert variants["base"]["status"] == "NOT A SUBMISSION"
+    assert variants["base"]["issues"][0]["rule"] == "context-length"
+    dropped = {n for n, v in variants.items() if v["status"] == "DROPPED"}
+    assert dropped == {n for n in variants if "_ecp-false_" in n}  # what vLLM refuses stays dropped
+    assert {v["status"] for n, v in variants.items() if n not in dropped} == {"NOT A SUBMISSION"}
+    [note] = result.json()["notes"]
+    assert f"{len(variants) - len(dropped)} of {len(variants)} variant(s) can start" in note
+    assert f"{len(variants) - len(dropped)} of them NOT A SUBMISSION" in note and "build refuses them" in note

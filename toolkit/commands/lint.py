@@ -13,6 +13,8 @@ from toolkit.results import Report, Severity
 from toolkit.variants import expand as expand_variants
 from toolkit.variants import find as find_variant
 
+NOT_A_SUBMISSION = "NOT A SUBMISSION"
+
 
 @dataclass(frozen=True)
 class LintRequest:
@@ -39,21 +41,27 @@ def lint(request: LintRequest) -> Report:
 
 
 def variants(recipe: Path) -> Report:
-    """The expanded experiment set with the lint result of each; impossible ones are DROPPED."""
+    """The expanded experiment set with the lint result of each, linted as the diagnostic verbs that run them do:
+    one vLLM or the hardware would refuse is DROPPED; one only the platform's submission forbids runs, marked
+    NOT A SUBMISSION (build would refuse it)."""
     loaded = load_recipe(recipe)
     rows = []
     entries = []
     for variant in expand_variants(loaded.recipe):
-        result = lint_recipe(loaded, variant.apply(loaded.recipe), variant=variant.name)
-        blocking = [i for i in result.issues if i.severity is Severity.ERROR]
-        status = "DROPPED" if blocking else "ok"
+        result = lint_recipe(loaded, variant.apply(loaded.recipe), variant=variant.name, for_submission=False)
+        why = result.refusals or result.not_a_submission
+        status = "DROPPED" if result.refusals else NOT_A_SUBMISSION if result.not_a_submission else "ok"
         rows.append((variant.name, variant.describe(), str(result.errors), str(result.warnings), status,
-                     "; ".join(f"{i.rule}: {i.message}" for i in blocking)))
+                     "; ".join(f"{i.rule}: {i.message}" for i in why)))
         entries.append({"name": variant.name, "args": variant.args, "env": variant.env, "status": status,
                         "errors": result.errors, "warnings": result.warnings,
                         "issues": [i.as_json() for i in result.issues if i.severity is not Severity.INFO]})
-    kept = sum(1 for e in entries if e["status"] == "ok")
+    runs = sum(1 for e in entries if e["status"] != "DROPPED")
+    platform = sum(1 for e in entries if e["status"] == NOT_A_SUBMISSION)
     return Report("variants", str(loaded.path), columns=("variant", "overrides", "errors", "warnings", "status",
-                                                          "why dropped"), rows=tuple(rows),
-                  notes=(f"{kept} of {len(entries)} variant(s) can start; DROPPED ones fail lint with an error",),
+                                                          "why"), rows=tuple(rows),
+                  notes=(f"{runs} of {len(entries)} variant(s) can start; DROPPED ones fail lint with an error"
+                         + (f"; {platform} of them {NOT_A_SUBMISSION}: they run (preflight, rehearse, estimate, "
+                            "experiment) but build refuses them, the platform requires what they lack" if platform
+                            else ""),),
                   extra={"variants": entries})
