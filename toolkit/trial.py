@@ -96,13 +96,18 @@ def untried_here(recipe: Recipe, pinned: dict[str, Path]) -> dict[str, str]:
     return out
 
 
+def lacking_sources(recipe: Recipe, untried: dict[str, str]) -> set[str]:
+    """The sources whose missing files leave the `untried` transforms out."""
+    return {t.pinned for t in recipe.transforms if t.id in untried and t.pinned is not None}
+
+
 def incomplete(recipe: Recipe, pinned: dict[str, Path]) -> tuple[str, str] | None:
     """What a tree built here would lack (None: nothing): the transforms that need a source with no local files,
     named, and the fix. The one check of a complete tree; every verb that runs the served code makes it first."""
     untried = untried_here(recipe, pinned)
     if not untried:
         return None
-    names = sorted({t.pinned for t in recipe.transforms if t.id in untried and t.pinned})
+    names = sorted(lacking_sources(recipe, untried))
     ids = list(untried)
     shown = ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
     said = (f"{len(untried)} transform(s) need source(s) {', '.join(names)}, which have no local files here: each "

@@ -147,8 +147,7 @@ def _preflight(loaded: LoadedRecipe, found: dict[str, Path], request: BuildReque
                 "minute; later builds then run the variants through the vendor's own code)"], None
     variants = chosen_variants(loaded, request.variant, request.all_variants)
     # what lint refuses is refused by the build with lint's message; preflight checks what would be written
-    variants = [v for v in variants if not [i for i in lint(loaded, v.apply(loaded.recipe), variant=v.name).issues
-                                            if i.severity is Severity.ERROR]]
+    variants = [v for v in variants if not lint(loaded, v.apply(loaded.recipe), variant=v.name).refusals]
     if not variants:
         return [], None
     started = time.monotonic()

@@ -23,7 +23,7 @@ from toolkit.engine.verify import verify_tree
 from toolkit.engine.writer import commit
 from toolkit.lint import lint
 from toolkit.recipe import load_recipe
-from toolkit.results import Report, Severity
+from toolkit.results import Report
 
 
 @dataclass(frozen=True)
@@ -110,5 +110,5 @@ def verify(request: VerifyRequest) -> Report:
         merged = sorted((*report.results, *extra.results), key=lambda r: (order[r.transform], r.root))
         report = dataclasses.replace(report, results=tuple(merged), findings=(*report.findings, *extra.findings),
                                      notes=(*report.notes, *extra.notes))
-    lint_errors = tuple(i for i in lint(loaded, rootfs=rootfs).issues if i.severity is Severity.ERROR)
+    lint_errors = lint(loaded, rootfs=rootfs).refusals
     return finished(dataclasses.replace(report, issues=lint_errors))

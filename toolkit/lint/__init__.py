@@ -62,9 +62,9 @@ def lint(loaded: LoadedRecipe, recipe: Recipe | None = None, *, variant: str | N
         for issue in info.check(ctx):
             platform = info.platform and issue.severity is Severity.ERROR
             if platform and not for_submission:
+                # the verb that ran it says "<verb>, but not a submission": the message says why only
                 issues.append(Issue(issue.rule, Severity.WARNING, f"{issue.message} (only the platform's "
-                                    "submission requires this: the variant runs here, but would not be accepted as a "
-                                    "submission)", issue.fix, issue.origin, variant, platform=True))
+                                    "submission requires this)", issue.fix, issue.origin, variant, platform=True))
                 continue
             issues.append(Issue(issue.rule, issue.severity, issue.message, issue.fix, issue.origin, variant,
                                 platform=platform))

@@ -31,7 +31,7 @@ from toolkit.runtime import standins
 from toolkit.submission.render import argv
 from toolkit.transforms.deploy import Deploy
 from toolkit.transforms.symlink import Symlink
-from toolkit.trial import reference_rootfs, untried_here
+from toolkit.trial import lacking_sources, reference_rootfs, untried_here
 from toolkit.variants import Variant
 from toolkit.variants import find as find_variant
 
@@ -234,10 +234,6 @@ def given_tree(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str], work: 
     return Tree(paths, vendor, {}, f"the patched roots under {rootfs}")
 
 
-def _missing_sources(recipe: Recipe, untried: dict[str, str]) -> set[str]:
-    return {t.pinned for t in recipe.transforms if t.id in untried and t.pinned is not None}
-
-
 def _dropped_flags(recipe: Recipe, missing: set[str]) -> dict[str, str]:
     """Flags provided by a source whose files could not be deployed here: not checked, said so."""
     return {flag.lstrip("-"): s.name for s in recipe.sources if s.name in missing for flag in s.provides_flags}
@@ -250,7 +246,7 @@ def _claimed_parsers(recipe: Recipe, missing: set[str]) -> dict[str, str]:
 def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
         model_dir: Path | None = None) -> list[Outcome]:
     recipe = loaded.recipe
-    missing_sources = _missing_sources(recipe, tree.untried)
+    missing_sources = lacking_sources(recipe, tree.untried)
     dropped = _dropped_flags(recipe, missing_sources)
     claimed = _claimed_parsers(recipe, missing_sources)
     fallback = bool(missing_sources) and model_dir is None and recipe.model is not None \

@@ -20,7 +20,7 @@ from toolkit.layers import TOOLKIT_LAYER
 from toolkit.lint import lint
 from toolkit.pinned import SOURCE_INFO, source_info
 from toolkit.recipe import LoadedRecipe, Recipe, Source
-from toolkit.results import Issue, Severity
+from toolkit.results import Issue
 from toolkit.submission.render import PAYLOAD, render
 from toolkit.submission.wheels import fetch_wheel, fetch_wheels
 from toolkit.transforms.files import sha256
@@ -396,8 +396,7 @@ def build_all_variants(loaded: LoadedRecipe, outdir: Path, *, force: bool, branc
     kept: list[Variant] = []
     dropped: list[tuple[Variant, list[Issue]]] = []
     for variant in expand(loaded.recipe):
-        errors = [i for i in lint(loaded, variant.apply(loaded.recipe), variant=variant.name).issues
-                  if i.severity is Severity.ERROR]
+        errors = list(lint(loaded, variant.apply(loaded.recipe), variant=variant.name).refusals)
         if errors:
             dropped.append((variant, errors))
         else:

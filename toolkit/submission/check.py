@@ -188,9 +188,8 @@ class Checker:
             prefix = "wheels/" + package.replace("-", "_").lower() + "-"
             if not any(w.lower().startswith(prefix) for w in wheels):
                 self.fail("payload", f"{PAYLOAD}/wheels", f"no wheel for {package}: the in-image step needs it")
-        for issue in lint(loaded).issues:
-            if issue.severity is Severity.ERROR:
-                self.fail(f"lint:{issue.rule}", f"{PAYLOAD}/recipe/{recipes[0].name}:{issue.line}", issue.message)
+        for issue in lint(loaded).refusals:
+            self.fail(f"lint:{issue.rule}", f"{PAYLOAD}/recipe/{recipes[0].name}:{issue.line}", issue.message)
 
     def check_run_config(self, config: object, want_argv: list[str], want_env: dict[str, str],
                          concurrency: int) -> None:
