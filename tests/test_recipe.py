@@ -64,6 +64,18 @@ def test_a_fast_paths_off_variant_that_does_not_exist_is_refused_with_the_known_
     assert "adapter-paths" in str(err)
 
 
+def test_a_fast_paths_off_variant_that_sets_args_is_refused_at_load() -> None:
+    # compared with the served variant: another configuration would make any difference meaningless
+    last = "      RMSNORM_NATIVE: '0'\n"
+    text = GOOD.replace(last, last + "    args:\n      max-num-seqs: 2\n", 1)
+    assert text != GOOD
+    err = error_for(text)
+    assert "checks.fast_paths_off names variant 'adapter-paths', which sets serve args or unsets env" in str(err)
+    assert "give adapter-paths only env values" in str(err)
+    unset = GOOD.replace("      RMSNORM_NATIVE: '0'\n", "      RMSNORM_NATIVE: null\n", 1)
+    assert "which sets serve args or unsets env" in str(error_for(unset))
+
+
 def test_unknown_top_level_key() -> None:
     err = error_for(GOOD + "servings: {}\n")
     assert err.line == len(GOOD.splitlines()) + 1

@@ -27,7 +27,6 @@ from toolkit.commands.common import Inputs
 from toolkit.commands.rehearse import RehearseRequest
 from toolkit.commands.rehearse import rehearse as rehearse_cmd
 from toolkit.engine.plan import Step
-from toolkit.errors import ToolkitError
 from toolkit.recipe import load_recipe
 from toolkit.rehearsal import model, servers
 from toolkit.rehearsal.checks import REQUEST_CHECKS, parsers
@@ -578,11 +577,16 @@ def test_the_fast_paths_off_reference_is_the_declared_variant_or_every_dispatch_
     qwen25 = fast_paths_off(load_recipe(REPO / "recipes/bi100-qwen25.yaml").recipe)
     assert qwen25.env == {} and qwen25.fixes == ("XFORMERS_SDPA_FALLBACK", "PREFIX_FLASH")
     assert [n for n in qwen25.not_covered if "replace-body" in n]
-    with pytest.raises(ToolkitError, match=r"checks\.fast_paths_off names variant kv-legacy40, which changes"):
-        fast_paths_off(flagship.model_copy(update={
-            "checks": flagship.checks.model_copy(update={"fast_paths_off": "kv-legacy40"}),
-            "variants": {**flagship.variants, "kv-legacy40": flagship.variants["kv-legacy40"].model_copy(
-                update={"args": {"max-num-seqs": 2}})}}))
+    assert qwen25.made == "every dispatch the recipe adds is a fix the image needs"
+    # a variant that turns a fix off too: that fix is not said to be kept on
+    no_fix = fast_paths_off(flagship.model_copy(update={
+        "variants": {**flagship.variants, "adapter-paths": flagship.variants["adapter-paths"].model_copy(
+            update={"env": {**declared.env, "PREFIX_FLASH": "0"}})}}))
+    assert no_fix.fixes == ("XFORMERS_SDPA_FALLBACK", "PREFIX_STATE")
+    # no dispatch at all: said as that, not as fixes
+    bare = flagship.model_copy(update={"transforms": [t for t in flagship.transforms if t.kind != "dispatch"],
+                                       "checks": flagship.checks.model_copy(update={"fast_paths_off": None})})
+    assert fast_paths_off(bare).env == {} and fast_paths_off(bare).made == "the recipe adds no dispatch"
 
 
 def _answer(name: str, ids: list[int], tops: list[dict[int, float]] | None = None) -> Any:

@@ -413,6 +413,11 @@ class Recipe(Strict):
         if name is not None and name not in self.variants:
             raise ValueError(f"checks.fast_paths_off names variant {name!r}, which is not under variants (known: "
                              f"{', '.join(self.variants) or 'none'})")
+        if name is not None and (self.variants[name].args or None in self.variants[name].env.values()):
+            # it is compared with the served variant: any difference but switches would be another configuration
+            raise ValueError(f"checks.fast_paths_off names variant {name!r}, which sets serve args or unsets env: "
+                             "the fast-paths-off reference may differ from the served variant in env values only; "
+                             f"give {name} only env values")
         return self
 
     @model_validator(mode="after")

@@ -54,20 +54,21 @@ def fast_paths_off(recipe: Recipe) -> FastPathsOff:
     fixes = tuple(t.switch for t in dispatches if t.fix)
     name = recipe.checks.fast_paths_off
     if name:
-        variant = find_variant(recipe, name)
-        if variant.args or any(v is None for v in variant.env.values()):
-            raise ToolkitError(f"checks.fast_paths_off names variant {name}, which changes serve args or unsets env "
-                               f"({variant.describe()}): the fast-paths-off reference differs from the served variant "
-                               "in switches it sets only", hint=f"give {name} only env values")
+        variant = find_variant(recipe, name)  # env values only: the recipe's load refuses anything else
         env = {key: str(value) for key, value in variant.env.items()}
         made = f"the variant {name} ({variant.describe()})"
-    else:
+    elif switches:
         env = {switch: "0" for switch in switches}
         made = ("every fast-path dispatch switch the recipe adds set to 0 (the recipe names no checks.fast_paths_off "
                 "variant): " + " ".join(f"{s}=0" for s in switches))
+    else:
+        env = {}
+        made = ("every dispatch the recipe adds is a fix the image needs" if dispatches else
+                "the recipe adds no dispatch")
     left = [f"{s} (a fast path left as served)" for s in switches if s not in env]
     replaced = [f"{t.id} (replace-body: no switch)" for t in recipe.transforms if t.kind == "replace-body"]
-    return FastPathsOff(env, made, tuple(left + replaced), fixes)
+    kept = tuple(s for s in fixes if env.get(s) != "0")  # a variant may turn a fix off too: then it is not kept on
+    return FastPathsOff(env, made, tuple(left + replaced), kept)
 
 # each answer's length: its decoded tokens are compared one by one with a fresh prefill's
 ANSWER_TOKENS = 12
@@ -150,8 +151,8 @@ def answers_check(tp: int, mine: list[Answer], nexts: list[list[Answer]], theirs
         if reference.fixes:
             noted.append("kept on there, fixes the image needs: " + ", ".join(reference.fixes))
     elif reference is not None and not reference.env:
-        noted.append("no fast path to turn off (every dispatch the recipe adds is a fix): the fast-paths-off reference "
-                     "would be the served code itself, not run")
+        noted.append(f"no fast path to turn off ({reference.made}): the fast-paths-off reference would be the served "
+                     "code itself, not run")
     if plain is not None:
         oracle(plain, PLAIN, "the plain forward", f"TP {tp} differs from the plain forward (outside vLLM: a path the "
                "recipe serves computes another model)",
