@@ -152,3 +152,14 @@ def test_bench_monitors_the_devices_through_the_vendor_tool(cli: Any, server: Se
     assert report["runs"][0]["monitor"] == {"tool": "ixsmi", "sampled": False,
                                             "note": "devices not sampled: ixsmi did not answer within 5 s"}
     assert "devices not sampled: ixsmi did not answer within 5 s" in report["notes"]
+
+
+def test_a_servers_port_is_never_one_the_kernel_hands_outgoing_connections() -> None:
+    # a port from bind(0) is in the ephemeral range: an outgoing connection elsewhere on the machine could take it
+    # as its source port before the server binds it (a rehearsal server died with EADDRINUSE in CI that way)
+    low, high = (int(w) for w in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert low - 20000 >= 1000, f"this machine's ephemeral range starts at {low}: nothing to choose below it"
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 1  # random: two runs at once do not start from the same port
+    assert not any(port_in_use(p) for p in ports)

@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import multiprocessing
-import socket
 from pathlib import Path
 
 import pytest
 
+from toolkit.bench.serve import free_port
 from toolkit.estimate.device import Calibration, Device, Op, seconds
 from toolkit.runtime import census as census_module
 from toolkit.runtime import standins
 
 torch = pytest.importorskip("torch")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_step(rank: int, port: int, folder: str) -> None:
@@ -53,7 +47,7 @@ def _rank_step(rank: int, port: int, folder: str) -> None:
 
 
 def test_a_linear_a_norm_and_an_all_reduce_at_tp_2_are_counted_as_by_hand(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     context = multiprocessing.get_context("fork")
     ranks = [context.Process(target=_rank_step, args=(rank, port, str(tmp_path))) for rank in range(2)]
     for process in ranks:

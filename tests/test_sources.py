@@ -17,6 +17,7 @@ import yaml
 from conftest import REPO, flagship_data
 from pinned_adapter import make_repo
 
+from toolkit.bench.serve import free_port
 from toolkit.errors import InputError
 from toolkit.pinned import mirror_path, resolve_pinned
 from toolkit.recipe import load_recipe
@@ -37,12 +38,6 @@ def recipe_with(tmp_path: Path, url: str, commit: str, fetch: str = "host") -> P
     path = tmp_path / "bi100-qwen36.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,8 +60,37 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def free_port() -> int:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_FLOOR = 20000  # below it: the ports people configure by hand
+
+
+def _ephemeral() -> tuple[int, int]:
+    try:
+        low, high = (int(word) for word in EPHEMERAL_RANGE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A port free now, for a server that binds it seconds later. Outside the kernel's ephemeral range: a port
+    from bind(0) is one the kernel also hands any outgoing connection as its source port meanwhile (a server that
+    died with EADDRINUSE beside a busy client was the symptom); random, so two callers at once rarely meet."""
+    low, _ = _ephemeral()
+    if low - PORT_FLOOR >= 1000:
+        for port in random.SystemRandom().sample(range(PORT_FLOOR, low), 64):
+            if _bindable(port):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room below the range: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
