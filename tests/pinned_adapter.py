@@ -6,7 +6,8 @@ committed into a repository of the test's own, so `--source qwen36-adapter=REPO@
 clone (git cannot remake commit 5a1c8c7 without the rest of that commit's tree; the files, not the id, are what
 the recipe uses). In CI (CI=true) a missing or changed copy fails the tests that need it; elsewhere they skip, and
 say where to get it. A test that needs what the pin does not have (a later, drifted commit; a mutant) edits these
-files in its own repository (`add_commit`); nothing here re-types them.
+files in its own repository (`add_commit`); nothing here re-types them. The adapter's newest public commit
+(`../shared/qwen36-adapter-2f7d5f5/`, checked the same way) is committed on top of the pin by `add_newest`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 PIN = "5a1c8c79e234df641b4d6ed8790d5fc5435a08b7"
 PINNED = REPO.parent / "shared" / "qwen36-adapter-5a1c8c7"
 SUBDIR = "qwen3_6_scripts"
+# the adapter's newest public commit (196 after the pin: the upgrade and kernel issues' input), as shared/ has it
+NEWEST = "2f7d5f5720863570d23d989ef8bbc7a387c606d4"
+NEWEST_FILES = REPO.parent / "shared" / "qwen36-adapter-2f7d5f5"
 HOW_TO_GET = (f"the adapter's files at its pin belong in {PINNED} (the workplace's shared/ folder beside this "
               f"checkout); elsewhere: git clone https://github.com/wudixzy/competition && git -C competition "
               f"checkout {PIN}, then copy its {SUBDIR}/ and BLOBS.txt there")
@@ -38,7 +42,7 @@ def git_blob_id(data: bytes) -> str:
 
 def check_copy(folder: Path = PINNED) -> dict[str, str]:
     """Every file BLOBS.txt lists (path -> git blob id), each checked byte for byte; PinMismatch names the first
-    file missing or changed."""
+    file missing or changed. A line is `BLOB SHA256 PATH` (the pin's listing) or `BLOB PATH` (the newest's)."""
     listing = folder / "BLOBS.txt"
     if not listing.is_file():
         raise PinMismatch(f"no {listing}: {HOW_TO_GET}")
@@ -46,16 +50,25 @@ def check_copy(folder: Path = PINNED) -> dict[str, str]:
     for number, line in enumerate(listing.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        blob, sha256, rel = line.split(maxsplit=2)
+        words = line.split(maxsplit=2)
+        sha256: str | None
+        if len(words) == 3 and _is_sha256(words[1]):
+            blob, sha256, rel = words
+        else:
+            (blob, rel), sha256 = line.split(maxsplit=1), None
         path = folder / rel
         if not path.is_file():
             raise PinMismatch(f"{path} is missing ({listing}:{number} lists it): {HOW_TO_GET}")
         data = path.read_bytes()
-        if git_blob_id(data) != blob or hashlib.sha256(data).hexdigest() != sha256:
+        if git_blob_id(data) != blob or sha256 not in (None, hashlib.sha256(data).hexdigest()):
             raise PinMismatch(f"{path} is not the pin's file: its git blob id is {git_blob_id(data)}, "
                               f"{listing}:{number} says {blob}: {HOW_TO_GET}")
         blobs[rel] = blob
     return blobs
+
+
+def _is_sha256(word: str) -> bool:
+    return len(word) == 64 and all(c in "0123456789abcdef" for c in word)
 
 
 def require(folder: Path = PINNED) -> Path:
@@ -116,6 +129,30 @@ def add_commit(bare: Path, rel: str, data: str | bytes, message: str, subdir: st
     actor = git.Actor("t", "t@t")
     commit = repo.index.commit(message, author=actor, committer=actor).hexsha
     repo.git.push(str(bare), "HEAD:refs/heads/later")
+    return commit
+
+
+def add_newest(bare: Path, subdir: str = SUBDIR) -> str:
+    """A later commit (pushed to the bare clone as `newest`) whose files are the adapter's newest commit's, byte for
+    byte (files the pin has and it lacks removed; the pin's stand-in wheel kept, as neither copy has the real one);
+    returns the commit."""
+    newest = require(NEWEST_FILES)
+    work = bare.parent / "adapter-work"
+    repo = git.Repo(work)
+    repo.git.checkout("--", ".")
+    for path in sorted((work / subdir).rglob("*")):
+        if path.is_file() and "wheels" not in path.relative_to(work / subdir).parts:
+            path.unlink()
+    for path in sorted(newest.rglob("*")):
+        if path.is_file():
+            target = work / subdir / path.relative_to(newest)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    repo.git.add("--all")
+    actor = git.Actor("t", "t@t")
+    commit = repo.index.commit(f"qwen3_6_scripts at {NEWEST[:7]} (from {NEWEST_FILES})", author=actor,
+                               committer=actor).hexsha
+    repo.git.push(str(bare), "HEAD:refs/heads/newest")
     return commit
 
 

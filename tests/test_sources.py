@@ -172,3 +172,25 @@ def test_a_force_pushed_pin_resolves_while_it_exists_and_says_so_when_gone(vllm_
     with pytest.raises(InputError) as info:
         resolve(tmp_path / "d")
     assert "no branch or tag reaches it" in info.value.message and "--source qwen36-adapter=PATH" in info.value.hint
+
+
+def test_the_adapters_newest_commit_is_refused_by_build_naming_what_drifted(cli, vllm_063: Path,
+                                                                            tmp_path: Path) -> None:
+    """The adapter's real newest commit (shared/, byte for byte, on top of the pin in one repository): the trial
+    tries every transform on its files and build refuses it naming exactly the transforms whose anchors are gone,
+    in both roots, writing nothing. What the upgrade verb (issue 54) starts from: a change here is a change in what
+    the anchors see."""
+    from pinned_adapter import add_newest
+
+    clone, _ = make_repo(tmp_path / "repo")
+    newest = add_newest(clone)
+    out = tmp_path / "sub"
+    result = cli("build", REPO / "recipes" / "bi100-qwen36.yaml", "-o", out, "--source",
+                 f"qwen36-adapter={clone}@{newest}", "--json")
+    assert result.code != 0 and not out.exists(), result.out[-2000:] + result.err[-2000:]
+    results = result.json()["results"]
+    drifted = {(r["transform"], r["root"]) for r in results if r["state"] == "DRIFTED"}
+    roots = {r["root"] for r in results if r["transform"] == "prefix-state-no-block-id-save"}
+    assert len(roots) == 2, roots
+    assert drifted == {(t, root) for t in ("prefix-state-no-block-id-save", "probe-moe-router",
+                                            "probe-moe-shared-gate") for root in roots}, sorted(drifted)
