@@ -97,11 +97,7 @@ def make_repo(work: Path, subdir: str = SUBDIR) -> tuple[Path, str]:
     source = work / "adapter-work"
     repo = git.Repo.init(source)
     (source / ".gitattributes").write_bytes((PINNED / ".gitattributes").read_bytes())  # * -text: bytes as they are
-    for path in sorted(pinned.rglob("*")):
-        if path.is_file():
-            target = source / subdir / path.relative_to(pinned)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())
+    _copy_files(pinned, source / subdir)
     wheel = source / subdir / "wheels" / "transformers-4.55.3-py3-none-any.whl"
     wheel.parent.mkdir(parents=True, exist_ok=True)
     wheel.write_bytes(os.urandom(1 << 20))
@@ -125,10 +121,23 @@ def add_commit(bare: Path, rel: str, data: str | bytes, message: str, subdir: st
         target.write_text(data)
     else:
         target.write_bytes(data)
+    return _commit_pushed(repo, bare, message, "later")
+
+
+def _copy_files(folder: Path, target: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            copied = target / path.relative_to(folder)
+            copied.parent.mkdir(parents=True, exist_ok=True)
+            copied.write_bytes(path.read_bytes())
+
+
+def _commit_pushed(repo: git.Repo, bare: Path, message: str, branch: str) -> str:
+    """Everything in the work tree committed and pushed to the bare clone as `branch`; returns the commit."""
     repo.git.add("--all")
     actor = git.Actor("t", "t@t")
     commit = repo.index.commit(message, author=actor, committer=actor).hexsha
-    repo.git.push(str(bare), "HEAD:refs/heads/later")
+    repo.git.push(str(bare), f"HEAD:refs/heads/{branch}")
     return commit
 
 
@@ -143,17 +152,8 @@ def add_newest(bare: Path, subdir: str = SUBDIR) -> str:
     for path in sorted((work / subdir).rglob("*")):
         if path.is_file() and "wheels" not in path.relative_to(work / subdir).parts:
             path.unlink()
-    for path in sorted(newest.rglob("*")):
-        if path.is_file():
-            target = work / subdir / path.relative_to(newest)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())
-    repo.git.add("--all")
-    actor = git.Actor("t", "t@t")
-    commit = repo.index.commit(f"qwen3_6_scripts at {NEWEST[:7]} (from {NEWEST_FILES})", author=actor,
-                               committer=actor).hexsha
-    repo.git.push(str(bare), "HEAD:refs/heads/newest")
-    return commit
+    _copy_files(newest, work / subdir)
+    return _commit_pushed(repo, bare, f"qwen3_6_scripts at {NEWEST[:7]} (from {NEWEST_FILES})", "newest")
 
 
 def checked_source(work: Path) -> str:

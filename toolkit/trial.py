@@ -108,13 +108,15 @@ def incomplete(recipe: Recipe, pinned: dict[str, Path]) -> tuple[str, str] | Non
     if not untried:
         return None
     names = sorted(lacking_sources(recipe, untried))
-    ids = list(untried)
-    shown = ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
     said = (f"{len(untried)} transform(s) need source(s) {', '.join(names)}, which have no local files here: each "
-            f"deploys from it, edits what it deploys, or requires one that does ({shown})")
+            f"deploys from it, edits what it deploys, or requires one that does ({_first_ids(list(untried))})")
     fix = " ".join(f"pass --source {s.name}=PATH (a clone of {s.git} at {s.commit[:12]}; a bare one is enough)"
                    for s in recipe.sources if s.name in names)
     return said, fix
+
+
+def _first_ids(ids: list[str]) -> str:
+    return ", ".join(ids[:8]) + (f" and {len(ids) - 8} more" if len(ids) > 8 else "")
 
 
 def require_complete(loaded: LoadedRecipe, pinned: dict[str, Path], verb: str) -> None:
@@ -141,7 +143,7 @@ def require_applied(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path,
     if missing:
         raise ToolkitError(
             f"{verb}: --rootfs {rootfs}: the recipe is not applied there: {len(missing)} transform(s) not in place "
-            f"({', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''}); nothing was started", hint=fix)
+            f"({_first_ids(missing)}); nothing was started", hint=fix)
 
 
 def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | None = None,

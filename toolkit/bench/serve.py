@@ -64,12 +64,12 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 PORT_FLOOR = 20000  # below it: the ports people configure by hand
 
 
-def _ephemeral() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """Where the kernel's ephemeral ports begin."""
     try:
-        low, high = (int(word) for word in EPHEMERAL_RANGE.read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _bindable(port: int) -> bool:
@@ -85,7 +85,7 @@ def free_port() -> int:
     """A port free now, for a server that binds it seconds later. Outside the kernel's ephemeral range: a port
     from bind(0) is one the kernel also hands any outgoing connection as its source port meanwhile (a server that
     died with EADDRINUSE beside a busy client was the symptom); random, so two callers at once rarely meet."""
-    low, _ = _ephemeral()
+    low = _ephemeral_low()
     if low - PORT_FLOOR >= 1000:
         for port in random.SystemRandom().sample(range(PORT_FLOOR, low), 64):
             if _bindable(port):
