@@ -22,11 +22,12 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("bench", ("toolkit.bench",)),
     ("rehearsal", ("toolkit.rehearsal",)),
     ("estimate", ("toolkit.estimate",)),
+    ("upgrade", ("toolkit.upgrade",)),
     ("commands", ("toolkit.commands", "toolkit.api")),
     ("cli", ("toolkit.report", "toolkit.cli", "toolkit.entry", "toolkit.testing", "toolkit.__main__", "toolkit.docs")),
 ]
 PACKAGES = ("toolkit.transforms", "toolkit.engine", "toolkit.lint", "toolkit.submission", "toolkit.runtime",
-            "toolkit.bench", "toolkit.rehearsal", "toolkit.estimate", "toolkit.commands")
+            "toolkit.bench", "toolkit.rehearsal", "toolkit.estimate", "toolkit.upgrade", "toolkit.commands")
 
 
 def stage_of(module: str) -> int:

@@ -27,6 +27,7 @@ from toolkit.commands.rehearse import RehearseRequest, rehearse
 from toolkit.commands.schema import schema_text
 from toolkit.commands.show import ShowRequest, show
 from toolkit.commands.tree import ApplyRequest, DiffRequest, VerifyRequest, apply, diff, verify
+from toolkit.commands.upgrade import UpgradeRequest, upgrade
 from toolkit.commands.vendor import CompareRequest, compare, pull
 from toolkit.errors import ToolkitError
 from toolkit.results import Report
@@ -37,9 +38,10 @@ __all__ = [
     "ApplyRequest", "BenchRequest", "BuildRequest", "CompareRequest", "DiffRequest", "EstimateRequest",
     "ExperimentRequest", "Inputs",
     "LintRequest", "Load", "PreflightRequest", "ProfileRequest", "RehearseRequest", "Report", "ShowRequest",
-    "ToolkitError", "VerifyRequest",
+    "ToolkitError", "UpgradeRequest", "VerifyRequest",
     "__version__", "apply", "bench", "bench_compare", "build", "check", "diff", "estimate", "experiment", "lint",
     "preflight",
-    "profile", "profile_compare", "rehearse", "schema_text", "show", "variants", "vendor_compare", "vendor_pull",
+    "profile", "profile_compare", "rehearse", "schema_text", "show", "upgrade", "variants", "vendor_compare",
+    "vendor_pull",
     "verify",
 ]

@@ -18,6 +18,7 @@ from toolkit.commands import profile as profile_cmd
 from toolkit.commands import rehearse as rehearse_cmd
 from toolkit.commands import show as show_cmd
 from toolkit.commands import tree as tree_cmd
+from toolkit.commands import upgrade as upgrade_cmd
 from toolkit.commands import vendor as vendor_cmd
 from toolkit.commands.common import Inputs
 from toolkit.commands.progress import PROGRESS
@@ -145,6 +146,22 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return _show(preflight_cmd.preflight(preflight_cmd.PreflightRequest(
         Path(args.recipe), _inputs(args), args.variant, args.all_variants, _path(args.rootfs),
         _path(args.model_config))), args)
+
+
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    """Move a recipe to another commit of a source it builds on (a later one, or an earlier one to bisect a
+    regression). Each transform that reads the source's files, or edits what a deploy from it places, is tried on
+    the new commit's files and given a fate beside the old pin's: CARRIES (it applies, and the code it changes is the
+    same), MOVED (the same code elsewhere or differently wrapped: the new place, found structurally and tried, with
+    the diff it would make), UPSTREAM (the new commit already has its post-state: remove it), CONFLICT (what it
+    stands on changed in meaning: both sides shown, nothing guessed) or GONE (its file or function is no longer
+    there). Exit 0 only when nothing is left in conflict or gone. --write then writes the new pin, the moved fields
+    and the removals into the layers that declare them, each commented, comments and layout kept: in place only
+    where git says the file is committed and unchanged, otherwise to -o FILE. Run again on what it wrote, every
+    transform carries and nothing is written. Not done yet: moving to a new vendor release (the vendor's own files
+    at `--reference vllm==X`)."""
+    return _show(upgrade_cmd.upgrade(upgrade_cmd.UpgradeRequest(
+        Path(args.recipe), args.source, args.from_commit, args.write, _path(args.output))), args)
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
@@ -409,6 +426,21 @@ def build_parser() -> argparse.ArgumentParser:
         "always (asked only for checks of the comparison servers, the served server is not started)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_rehearse)
+
+    p = sub.add_parser("upgrade", help="move a recipe to another commit of a source it builds on, every "
+                       "transform's fate (carries, moved, upstream, conflict, gone) decided on the new files",
+                       description=cmd_upgrade.__doc__ or None)
+    p.add_argument("recipe", help="the recipe YAML")
+    p.add_argument("--source", required=True, metavar="NAME=CLONE@COMMIT", help="a local clone of the declared "
+                   "source (a bare clone is enough) and the commit to move to")
+    p.add_argument("--from", dest="from_commit", metavar="REV", help="the clone's commit holding the pinned files, "
+                   "where the clone lacks the pin's own id (a repository of copied files; default: the pin)")
+    p.add_argument("--write", action="store_true", help="write the upgraded layers (in place where git vouches for "
+                   "them: committed and unchanged)")
+    p.add_argument("-o", "--output", metavar="FILE", help="with --write: write the one changed layer here instead "
+                   "(a new path)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_upgrade)
 
     p = sub.add_parser("estimate", help="predict what the platform would measure of each variant (decode step, "
                        "prefill, TTFT, TPS, score) from what its served path runs at the target's shapes",

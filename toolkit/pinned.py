@@ -95,6 +95,18 @@ def export_source(source: Source, checkout: Path, commit: str, paths: list[str])
     return cached_tree(target, build)
 
 
+def files_at(source: Source, checkout: Path, commit: str, paths: list[str]) -> dict[str, bytes]:
+    """The files under `paths` (relative to the source's subdir) at a commit of a local clone, as git holds them; a
+    path the commit lacks has no entry (an upgrade asks what is gone, where an export refuses)."""
+    top = git.Repo(checkout).commit(resolve_commit(source.name, checkout, commit)).tree
+    if source.subdir:
+        try:
+            top = top / source.subdir
+        except KeyError:
+            return {}
+    return {path: blob.data_stream.read() for rel in paths for path, blob in _blobs(top, rel).items()}
+
+
 def source_info(tree: Path) -> dict[str, object]:
     data = json.loads((tree / SOURCE_INFO).read_text())
     return data if isinstance(data, dict) else {}

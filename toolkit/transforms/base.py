@@ -80,6 +80,9 @@ class ModuleEdit(TransformBase):
     scope: ScopeName = Field(default="",
                              description="Dotted scope inside the module, e.g. EngineArgs.create_model_config")
     expect: int = Field(default=1, ge=1, description="How many sites must match (the match contract)")
+    # what the edit stands on: the whole scope (a kind that bypasses or replaces the function, so any change in it
+    # changes what the edit means) or only the statements it rewrites (`toolkit upgrade` compares that part)
+    anchors_whole_scope: typing.ClassVar[bool] = False
 
     @property
     def target_label(self) -> str:

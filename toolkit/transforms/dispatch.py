@@ -45,6 +45,7 @@ class Dispatch(ModuleEdit):
         "fast-paths-off reference keeps it on")
     # what it says of the injected code, not the code written: a dispatch's digest (and marker) does not change with it
     provenance_fields: ClassVar[frozenset[str]] = ModuleEdit.provenance_fields | {"fix"}
+    anchors_whole_scope: ClassVar[bool] = True  # the function it bypasses when switched on
 
 
 SWITCH_TABLE = "switches.json"  # beside the injected package's __init__.py

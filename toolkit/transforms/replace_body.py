@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 import libcst as cst
 from pydantic import Field, field_validator
@@ -23,6 +23,7 @@ class ReplaceBody(ModuleEdit):
     old_digest: str | None = Field(
         default=None, description="sha256 prefix of the body being replaced (toolkit diff prints it)"
     )
+    anchors_whole_scope: ClassVar[bool] = True  # the body it replaces
 
     def patch_paths(self) -> list[str]:
         return [self.source.partition(":")[0]]
