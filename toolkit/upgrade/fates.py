@@ -143,27 +143,23 @@ def _deploy_fate(d: Deploy, old: Side, new: Side) -> Outcome:
     changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
     if not changed:
         return Outcome(d.id, d.kind, d.dest, Fate.CARRIES, "the same bytes")
-    counts = []
+    counts, diffs = [], []
     for p in changed:
         a, b = _lines(before.get(p, b"")), _lines(after.get(p, b""))
-        plus, minus = _plus_minus(a, b)
-        counts.append(f"{p} +{plus} -{minus}")
+        diff = list(difflib.unified_diff(a, b, f"{p} (old pin)", f"{p} (new commit)", n=1, lineterm=""))
+        counts.append(f"{p} {_size(chr(10).join(diff))}")
+        diffs.append("\n".join(_trimmed(diff)))
     return Outcome(d.id, d.kind, d.dest, Fate.CARRIES,
-                   "deploys the new commit's file(s), changed: " + ", ".join(counts), around="; ".join(counts))
+                   "deploys the new commit's file(s), changed: " + ", ".join(counts), around="\n".join(diffs))
+
+
+def _trimmed(lines: list[str]) -> list[str]:
+    return lines if len(lines) <= AROUND_LINES else [*lines[:AROUND_LINES],
+                                                      f"... {len(lines) - AROUND_LINES} more diff lines"]
 
 
 def _lines(data: bytes) -> list[str]:
     return as_deployed(data).decode("utf-8", "replace").splitlines()
-
-
-def _plus_minus(a: list[str], b: list[str]) -> tuple[int, int]:
-    plus = minus = 0
-    for line in difflib.unified_diff(a, b, n=0, lineterm=""):
-        if line.startswith("+") and not line.startswith("+++"):
-            plus += 1
-        elif line.startswith("-") and not line.startswith("---"):
-            minus += 1
-    return plus, minus
 
 
 # a proposal tried: (fields -> values, source path, the module it was tried on, whether it applies, a rename)
@@ -230,6 +226,8 @@ class _FileFates:
 
     # -- the fates ---------------------------------------------------------------------------------------------
     def _out(self, spec: ModuleEdit, fate: Fate, detail: str, **extra: typing.Any) -> Outcome:
+        if extra.get("around"):
+            extra["around"] = "\n".join(_trimmed(extra["around"].splitlines()))
         return Outcome(spec.id, spec.kind, spec.file, fate, detail, **extra)
 
     def _not_applied_before(self, spec: ModuleEdit, was: State, why_was: str, now: State, why_now: str) -> Outcome:
@@ -372,11 +370,8 @@ class _FileFates:
         a, b = _scope_code(old_module, spec.scope), _scope_code(new_module, spec.scope)
         if not a or not b or _same_ast(a, b):
             return ""
-        lines = list(difflib.unified_diff(a.splitlines(), b.splitlines(), "old pin", "new commit", n=1,
-                                          lineterm=""))
-        if len(lines) > AROUND_LINES:
-            lines = [*lines[:AROUND_LINES], f"... {len(lines) - AROUND_LINES} more diff lines"]
-        return "\n".join(lines)
+        return "\n".join(difflib.unified_diff(a.splitlines(), b.splitlines(), "old pin", "new commit", n=1,
+                                             lineterm=""))
 
 
 def _merges(outcomes: list[Outcome]) -> list[Outcome]:
