@@ -456,3 +456,18 @@ def test_variants_marks_a_platform_only_configuration_and_drops_only_what_cannot
     [note] = result.json()["notes"]
     assert f"{len(variants) - len(dropped)} of {len(variants)} variant(s) can start" in note
     assert f"{len(variants) - len(dropped)} of them NOT A SUBMISSION" in note and "build refuses them" in note
+
+
+def test_an_env_variable_a_gpu_library_reads_itself_is_not_unread_once_declared(tmp_path: Path) -> None:
+    """ENABLE_CUSTOM_IPC is read by ixformer on the image, by no file of the patched tree: the image layer's
+    gpu_libraries[].reads_env says so, and without it the flagship's env is reported unread, naming it."""
+    assert BASE["env"]["ENABLE_CUSTOM_IPC"] == "1"
+    assert issues_of(write(tmp_path, lambda d: None), "env-unread") == []
+
+    def undeclared(data: dict[str, Any]) -> None:
+        for library in data["base_image"]["gpu_libraries"]:
+            if isinstance(library, dict):
+                library.pop("reads_env", None)
+
+    [issue] = issues_of(write(tmp_path, undeclared, "u.yaml"), "env-unread")
+    assert "env ENABLE_CUSTOM_IPC is read by no dispatch" in issue.message and "reads_env" in issue.fix

@@ -51,6 +51,11 @@ class GpuLibrary(Strict):
         default_factory=list,
         description="Submodules the image does not provide: importing one raises ImportError off the image too, so "
         "the vendor's own fallback runs (e.g. ixformer.contrib.vllm_flash_attn: the selector then takes XFORMERS)")
+    reads_env: list[Annotated[str, Field(pattern=ENV_PATTERN)]] = Field(
+        default_factory=list,
+        description="Env variables the library itself reads on the image (e.g. ixformer's ENABLE_CUSTOM_IPC, its IPC "
+        "all-reduce): a recipe may set them though no file of the patched tree reads them (lint and preflight "
+        "say where they are read, not that they are unread); its stand-in on a CPU does not read them")
     why: str | None = Field(default=None, description="Why the image has it (or lacks those), for the reports")
 
     @model_validator(mode="after")
@@ -89,6 +94,10 @@ class BaseImage(Strict):
     @property
     def absent_modules(self) -> list[str]:
         return [name for library in self.gpu_libraries for name in library.absent]
+
+    def env_reader(self, name: str) -> str | None:
+        """The GPU library that reads an env variable itself on the image, if one does."""
+        return next((library.name for library in self.gpu_libraries if name in library.reads_env), None)
 
 
 class Vendor(Strict):

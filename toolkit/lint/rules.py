@@ -291,10 +291,11 @@ def env_unread(ctx: LintContext) -> Iterator[Issue]:
     for name in ctx.recipe.env:
         if name in switches or any(fnmatch.fnmatch(name, p) for p in WELL_KNOWN_ENV):
             continue
-        if any(f'"{name}"' in t or f"'{name}'" in t for t in texts):
+        if any(f'"{name}"' in t or f"'{name}'" in t for t in texts) or ctx.recipe.base_image.env_reader(name):
             continue
         yield Issue("env-unread", W, f"env {name} is read by no dispatch and no file this recipe deploys",
-                    "remove it, or add the dispatch/deploy that reads it", ctx.origin_of_env(name))
+                    "remove it, or add the dispatch/deploy that reads it (a GPU library of the image that reads it "
+                    "itself: its base_image.gpu_libraries[].reads_env)", ctx.origin_of_env(name))
 
 
 def switch_readers(deployed: list[Path]) -> list[tuple[Path, Any, str | None]]:

@@ -323,7 +323,8 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
                                            f"{', '.join(sorted(missing_sources))}: the in-image step applies them)")
     env_reads = result.get("env", {})
     for outcome in outcomes:
-        unread = [n for n, where in env_reads.items() if not where and not n.startswith(OUTSIDE_THE_TREE)]
+        unread = [n for n, where in env_reads.items() if not where and not n.startswith(OUTSIDE_THE_TREE)
+                  and not recipe.base_image.env_reader(n)]
         if unread and not missing_sources:
             outcome.stages.append(Stage("env", False, f"set by the recipe but read by no code in the patched tree: "
                                         f"{', '.join(unread)}", "EnvUnread"))
