@@ -4,6 +4,7 @@ and its newest commit, from shared/) and on small sources built here for the fat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import textwrap
 from pathlib import Path
@@ -403,6 +404,25 @@ def test_write_refuses_a_file_with_uncommitted_edits_and_writes_a_new_file_with_
     assert f"commit: {made['new']}" in out.read_text() and "# a user's edit, not committed" in out.read_text()
     with pytest.raises(InputError, match="exists; upgrade writes a new file only"):
         upgrade(UpgradeRequest(made["settled"], f"up={made['src']}@{made['new']}", write=True, output=out))
+
+
+def test_write_rewrites_the_sources_digests_lock_with_the_new_commits_files(made: dict[str, Any]) -> None:
+    """A recipe that keeps a digests lock for its source (what the in-image step checks a fetched source against)
+    gets the new commit's LF digests of exactly the files it uses; -o then refuses, as two files change."""
+    lock = made["settled"].parent / "up.digests.json"
+    lock.write_text(json.dumps({"mod.py": "0" * 64, "other.py": "0" * 64}, indent=2, sort_keys=True) + "\n")
+    made["settled"].write_text(made["settled"].read_text().replace(
+        "    commit: ", "    digests: up.digests.json\n    commit: ", 1))
+    made["repo"].git.add("--all")
+    made["repo"].git.commit("-m", "a digests lock")
+    with pytest.raises(InputError, match="-o takes one"):
+        upgrade(UpgradeRequest(made["settled"], f"up={made['src']}@{made['new']}", write=True,
+                               output=made["settled"].parent / "new.yaml"))
+    report = upgrade(UpgradeRequest(made["settled"], f"up={made['src']}@{made['new']}", write=True))
+    assert report.exit_code == 0
+    assert json.loads(lock.read_text()) == {"mod.py": hashlib.sha256(NEW.encode()).hexdigest(),
+                                            "other.py": hashlib.sha256(NEW_OTHER.encode()).hexdigest()}
+    assert any(str(lock) in line and "the digests of 2 file(s)" in line for line in report.notes), report.notes
 
 
 def test_write_refuses_a_layout_it_cannot_keep_and_touches_nothing(made: dict[str, Any]) -> None:
