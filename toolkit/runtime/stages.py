@@ -84,6 +84,12 @@ def _stages(request: dict[str, Any], variant: dict[str, Any], out: dict[str, Any
         stages.append(_failure("engine-config", exc))
         return out
     stages.append({"stage": "engine-config", "ok": True, "message": "create_engine_config accepted the arguments"})
+    turned_off = _turned_off(args, config)
+    if turned_off:
+        stages.append({"stage": "served-flags", "ok": False, "type": "FlagDropped", "message": (
+            f"the served argv turns on {', '.join(turned_off)}, and the vendor's create_engine_config turned it off "
+            "without an error (vLLM 0.6.3 does so for any model it sees as multimodal, with a warning only): the "
+            "server would start and serve without it")})
     out["config"] = {
         "enforce_eager": config.model_config.enforce_eager,
         "disable_custom_all_reduce": config.parallel_config.disable_custom_all_reduce,
@@ -119,6 +125,12 @@ def _stages(request: dict[str, Any], variant: dict[str, Any], out: dict[str, Any
     stages.extend(_registrations(args, config))
     stages.extend(_prefix_state(request, config))
     return out
+
+
+def _turned_off(args: Any, config: Any) -> list[str]:
+    """Flags the served argv turns on that the engine's config holds off."""
+    return ["--enable-prefix-caching"] if getattr(args, "enable_prefix_caching", False) and \
+        not config.cache_config.enable_prefix_caching else []
 
 
 def _prefix_state(request: dict[str, Any], config: Any) -> list[dict[str, Any]]:
