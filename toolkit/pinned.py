@@ -67,13 +67,10 @@ def export_source(source: Source, checkout: Path, commit: str, paths: list[str])
     target = cache_dir() / "sources" / f"{source.name}-{commit}-{key}"
 
     def build(tree: Path, scratch: Path) -> None:
-        top = git.Repo(checkout).commit(commit).tree
-        if source.subdir:
-            try:
-                top = top / source.subdir
-            except KeyError:
-                raise InputError(f"source {source.name}: no folder {source.subdir!r} at commit {commit[:12]}",
-                                  hint="fix sources[].subdir, or the pinned commit") from None
+        top = _folder_at(source, checkout, commit)
+        if top is None:
+            raise InputError(f"source {source.name}: no folder {source.subdir!r} at commit {commit[:12]}",
+                             hint="fix sources[].subdir, or the pinned commit")
         digests: dict[str, str] = {}
         for rel in paths:
             blobs = _blobs(top, rel)
@@ -98,13 +95,22 @@ def export_source(source: Source, checkout: Path, commit: str, paths: list[str])
 def files_at(source: Source, checkout: Path, commit: str, paths: list[str]) -> dict[str, bytes]:
     """The files under `paths` (relative to the source's subdir) at a commit of a local clone, as git holds them; a
     path the commit lacks has no entry (an upgrade asks what is gone, where an export refuses)."""
-    top = git.Repo(checkout).commit(resolve_commit(source.name, checkout, commit)).tree
-    if source.subdir:
-        try:
-            top = top / source.subdir
-        except KeyError:
-            return {}
+    top = _folder_at(source, checkout, resolve_commit(source.name, checkout, commit))
+    if top is None:
+        return {}
     return {path: blob.data_stream.read() for rel in paths for path, blob in _blobs(top, rel).items()}
+
+
+def _folder_at(source: Source, checkout: Path, commit: str) -> git.Tree | None:
+    """The source's folder (its subdir, else the whole tree) at a resolved commit, or None where the commit lacks it."""
+    top = git.Repo(checkout).commit(commit).tree
+    if not source.subdir:
+        return top
+    try:
+        folder = top / source.subdir
+    except KeyError:
+        return None
+    return folder if isinstance(folder, git.Tree) else None
 
 
 def source_info(tree: Path) -> dict[str, object]:

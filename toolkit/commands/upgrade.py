@@ -12,7 +12,7 @@ from toolkit.pinned import files_at, parse_source_override, resolve_commit, used
 from toolkit.recipe import load_recipe
 from toolkit.results import Issue, Report, Severity
 from toolkit.transforms.base import Context
-from toolkit.upgrade.fates import Fate, Side, classify
+from toolkit.upgrade.fates import Fate, Side, classify, under
 from toolkit.upgrade.write import describe, write
 
 COLUMNS = ("transform", "line", "kind", "fate", "detail")
@@ -48,7 +48,7 @@ def upgrade(request: UpgradeRequest) -> Report:
                          "the pinned files") from None
     paths = used_paths(loaded.recipe, name)
     old = Side(old_commit, files_at(source, checkout, old_commit, paths))
-    lacking = [p for p in paths if not any(f == p or f.startswith(p + "/") for f in old.files)]
+    lacking = [p for p in paths if not under(old.files, p)]
     if lacking:
         raise InputError(f"source {name}: {', '.join(lacking)} not in {old_commit[:12]}, the commit upgraded from",
                          hint="the recipe does not build at that commit: pass --from the commit it builds at")

@@ -130,12 +130,13 @@ def _deployed_from(t: ModuleEdit, deploys: list[Deploy]) -> str | None:
     return None
 
 
-def _under(files: dict[str, bytes], path: str) -> dict[str, bytes]:
+def under(files: dict[str, bytes], path: str) -> dict[str, bytes]:
+    """The files at `path` or below it."""
     return {p: b for p, b in files.items() if p == path or p.startswith(path + "/")}
 
 
 def _deploy_fate(d: Deploy, old: Side, new: Side) -> Outcome:
-    before, after = _under(old.files, d.pinned_path), _under(new.files, d.pinned_path)
+    before, after = under(old.files, d.pinned_path), under(new.files, d.pinned_path)
     if not after:
         return Outcome(d.id, d.kind, d.dest, Fate.GONE,
                        f"@{d.pinned}/{d.pinned_path} is not in commit {new.commit[:12]}",
@@ -204,14 +205,15 @@ class _FileFates:
         new_states = {v.spec.id: v for v in self.after.states}
         old_edits = {i: (b, a) for i, b, a in self.before.edits}
         new_edits = {i: (b, a) for i, b, a in self.after.edits}
-        current = self.files.module(self.path, True)  # the new file as the transforms before this one leave it
-        for spec in self.specs:
-            was, now = old_states[spec.id], new_states[spec.id]
-            if self.files.data(self.path, True) is None:
+        if self.files.data(self.path, True) is None:
+            for spec in self.specs:
                 yield self._out(spec, Fate.GONE, f"{self.path} is not in the new commit",
                                 decide="the file it edits is gone: remove the transform, or point it at what "
                                 "replaced the file")
-                continue
+            return
+        current = self.files.module(self.path, True)  # the new file as the transforms before this one leave it
+        for spec in self.specs:
+            was, now = old_states[spec.id], new_states[spec.id]
             if was.state is not State.WOULD_APPLY:
                 yield self._not_applied_before(spec, was.state, was.message, now.state, now.message)
             elif now.state is State.WOULD_APPLY:
@@ -278,7 +280,7 @@ class _FileFates:
         """DRIFTED at the new commit: what it stood on, looked for structurally, each candidate tried."""
         old_module = old_edit[0]
         old_code = _side(_hunk(*old_edit), "-") if not spec.anchors_whole_scope else _scope_code(old_module, spec.scope)
-        tried = [*self._scope_moves(spec, old_module), *self._renames(spec, old_module, current)]
+        tried = [*self._scope_moves(spec, current), *self._renames(spec, old_module, current)]
         found = [c for c in tried if c[3]]
         if len(found) == 1:
             proposal, _, module, _, renamed = found[0]
@@ -317,10 +319,10 @@ class _FileFates:
         kind = edit_kind(changed, self.ctx)
         return decide(changed, kind.count(module), None).state is State.WOULD_APPLY
 
-    def _scope_moves(self, spec: ModuleEdit, old_module: cst.Module) -> list[_Candidate]:
+    def _scope_moves(self, spec: ModuleEdit, current: cst.Module | None) -> list[_Candidate]:
         """Its function gone from where it was: a function of the same name that the new commit added, in this
         file or another of the source's (one that existed at the old pin is another function, never a move)."""
-        if not spec.scope or resolve_scope(self._current_or_new(), spec.scope) is not None:
+        if not spec.scope or current is None or resolve_scope(current, spec.scope) is not None:
             return []
         name = spec.scope.rsplit(".", 1)[-1]
         out: list[_Candidate] = []
@@ -336,11 +338,6 @@ class _FileFates:
                 proposal = {"scope": qual} if path == self.path else {"scope": qual, "file": self.placed[path]}
                 out.append((proposal, path, new_module, self._try(spec, {"scope": qual}, new_module), None))
         return out
-
-    def _current_or_new(self) -> cst.Module:
-        module = self.files.module(self.path, True)
-        assert module is not None
-        return module
 
     def _renames(self, spec: ModuleEdit, old_module: cst.Module, current: cst.Module | None) -> list[_Candidate]:
         """A name it uses gone from its scope, and a name the scope did not have before in its place: each such
@@ -510,16 +507,8 @@ def _code_fields(spec: ModuleEdit) -> dict[str, str]:
 
 
 def _mentions(code: str, name: str) -> bool:
-    return name in _identifiers(code)
-
-
-def _identifiers(code: str) -> set[str]:
-    try:
-        tree = ast.parse(textwrap.dedent(code).strip("\n"))
-    except SyntaxError:
-        return set()
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
-        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    """Whether a code field (a recipe's Python, validated when the recipe loaded) uses an identifier."""
+    return name in _names(cst.parse_module(textwrap.dedent(code)))
 
 
 class _Renamer(cst.CSTTransformer):
