@@ -142,6 +142,23 @@ def transformers_455() -> Path:
 
 
 @pytest.fixture(scope="session")
+def adapter_before(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A bare repository of the adapter's history (tests/pinned_adapter.py) and its commit of 5a1c8c7's files, the
+    flagship's pin before the upgrade."""
+    clone, before, _ = pinned_adapter.history(tmp_path_factory.mktemp("adapter-before"))
+    return clone, before
+
+
+def flagship_before_the_upgrade(work: Path) -> Path:
+    """The flagship as it was at 5a1c8c7: today's recipe and layers, with the adapter layer as it was before the
+    upgrade (tests/data: the layer this repository had, which `toolkit upgrade --write` started from)."""
+    for folder in ("recipes", "layers"):
+        shutil.copytree(REPO / folder, work / folder)
+    shutil.copy(REPO / "tests" / "data" / "qwen36-adapter-5a1c8c7.yaml", work / "layers" / "qwen36-adapter.yaml")
+    return work / "recipes" / "bi100-qwen36.yaml"
+
+
+@pytest.fixture(scope="session")
 def adapter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A bare repository of the model adapter's files at the flagship's pin (tests/pinned_adapter.py) and its
     commit."""

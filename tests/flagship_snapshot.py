@@ -113,9 +113,9 @@ def main() -> int:
         work = Path(tmp)
         adapter, package_root, rootfs = fixture_inputs(work)
         data = snapshot(FLAGSHIP, work, adapter, package_root, rootfs)
-        from pinned_adapter import PIN, PINNED
+        from pinned_adapter import NEWEST, NEWEST_FILES
 
-        data["adapter"] = f"the pinned files of {PIN} ({PINNED.name}, checked against its BLOBS.txt)"
+        data["adapter"] = f"the pinned files of {NEWEST} ({NEWEST_FILES.name}, checked against its BLOBS.txt)"
         shutil.rmtree(work / "submission")
     SNAPSHOT.parent.mkdir(exist_ok=True)
     SNAPSHOT.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,13 +1,13 @@
-"""The model adapter at the flagship's pin (wudixzy/competition@5a1c8c7 `qwen3_6_scripts/`), as the suite uses it.
+"""The model adapter as the suite uses it: its history from 5a1c8c7 (the flagship's pin until the upgrade) to
+2f7d5f5 (its newest public commit, the flagship's pin now), `wudixzy/competition` `qwen3_6_scripts/`.
 
 The files are third-party code and never committed here: they are read from `../shared/qwen36-adapter-5a1c8c7/`
-beside this checkout (byte for byte, each file's git blob id in its BLOBS.txt), checked against those ids, and
-committed into a repository of the test's own, so `--source qwen36-adapter=REPO@COMMIT` reads them as it reads a
-clone (git cannot remake commit 5a1c8c7 without the rest of that commit's tree; the files, not the id, are what
-the recipe uses). In CI (CI=true) a missing or changed copy fails the tests that need it; elsewhere they skip, and
-say where to get it. A test that needs what the pin does not have (a later, drifted commit; a mutant) edits these
-files in its own repository (`add_commit`); nothing here re-types them. The adapter's newest public commit
-(`../shared/qwen36-adapter-2f7d5f5/`, checked the same way) is committed on top of the pin by `add_newest`.
+and `../shared/qwen36-adapter-2f7d5f5/` beside this checkout (byte for byte, each file's git blob id in their
+BLOBS.txt), checked against those ids, and committed into a repository of the test's own, one commit each, so
+`--source qwen36-adapter=REPO@COMMIT` reads them as it reads a clone (git cannot remake the real commits without the
+rest of their trees; the files, not the ids, are what the recipe uses). In CI (CI=true) a missing or changed copy
+fails the tests that need it; elsewhere they skip, and say where to get it. A test that needs what neither commit
+has (a drifted commit; a mutant) edits these files in its own repository (`add_commit`); nothing here re-types them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SUBDIR = "qwen3_6_scripts"
 # the adapter's newest public commit (196 after the pin: the upgrade and kernel issues' input), as shared/ has it
 NEWEST = "2f7d5f5720863570d23d989ef8bbc7a387c606d4"
 NEWEST_FILES = REPO.parent / "shared" / "qwen36-adapter-2f7d5f5"
-HOW_TO_GET = (f"the adapter's files at its pin belong in {PINNED} (the workplace's shared/ folder beside this "
+HOW_TO_GET = (f"the adapter's files at 5a1c8c7 belong in {PINNED} (the workplace's shared/ folder beside this "
               f"checkout); elsewhere: git clone https://github.com/wudixzy/competition && git -C competition "
               f"checkout {PIN}, then copy its {SUBDIR}/ and BLOBS.txt there")
 
@@ -83,12 +83,21 @@ def require(folder: Path = PINNED) -> Path:
 
 
 def source_file(rel: str) -> bytes:
-    """One pinned file's bytes (rel: under qwen3_6_scripts/)."""
-    return (require() / rel).read_bytes()
+    """One file of the flagship's pin (the newest commit's; rel: under qwen3_6_scripts/)."""
+    return (require(NEWEST_FILES) / rel).read_bytes()
 
 
 def make_repo(work: Path, subdir: str = SUBDIR) -> tuple[Path, str]:
-    """A bare repository whose one commit holds the pinned files under `subdir`; returns (clone, commit).
+    """A bare repository of the adapter's history here (`history`); returns (clone, the flagship's pin: the newest
+    commit's files)."""
+    bare, _, newest = history(work, subdir)
+    return bare, newest
+
+
+def history(work: Path, subdir: str = SUBDIR) -> tuple[Path, str, str]:
+    """A bare repository whose first commit holds the files of 5a1c8c7 (the flagship's pin before the upgrade)
+    under `subdir`, and whose second holds the newest commit's (the flagship's pin now, `add_newest`); returns
+    (clone, first, second).
 
     Its work tree keeps an uncommitted edit of qwen3_5.py (a build must read the commit, never the work tree), and
     a large wheel the recipe never uses, where the pin has transformers' (left out of shared/): bundling must leave
@@ -103,12 +112,13 @@ def make_repo(work: Path, subdir: str = SUBDIR) -> tuple[Path, str]:
     wheel.write_bytes(os.urandom(1 << 20))
     repo.git.add("--all")
     actor = git.Actor("t", "t@t")
-    commit = repo.index.commit(f"qwen3_6_scripts at {PIN[:7]} (from {PINNED})", author=actor,
-                               committer=actor).hexsha
-    (source / subdir / "qwen3_5.py").write_text("raise RuntimeError('uncommitted edit')\n")  # must never leak
+    first = repo.index.commit(f"qwen3_6_scripts at {PIN[:7]} (from {PINNED})", author=actor,
+                              committer=actor).hexsha
     bare = work / "adapter.git"
     git.Repo.clone_from(str(source), str(bare), bare=True)
-    return bare, commit
+    second = add_newest(bare, subdir)
+    (source / subdir / "qwen3_5.py").write_text("raise RuntimeError('uncommitted edit')\n")  # must never leak
+    return bare, first, second
 
 
 def add_commit(bare: Path, rel: str, data: str | bytes, message: str, subdir: str = SUBDIR) -> str:

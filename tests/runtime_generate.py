@@ -19,6 +19,7 @@ argv: one JSON object:
 """
 
 import json
+import os
 import sys
 
 
@@ -67,10 +68,16 @@ def _mutants():
 def _engine(run, prefix_caching, budget, blocks=None):
     from vllm import EngineArgs, LLMEngine
 
+    with open(os.path.join(run["model"], "config.json")) as handle:
+        multimodal = "vision_config" in json.load(handle)
+    # prompts are text here: a model with a vision tower (the adapter's since 2f7d5f5) is started with no image per
+    # prompt, or its profile run would place a max-size image (1,282 tokens) in budgets of 32; the rehearsal starts
+    # it with the served argv's image budget
+    images = {"limit_mm_per_prompt": {"image": 0}} if multimodal else {}
     args = EngineArgs(model=run["model"], tensor_parallel_size=run["tp"], dtype=run["dtype"], max_model_len=512,
                       enforce_eager=True, block_size=16, enable_prefix_caching=prefix_caching,
                       enable_chunked_prefill=budget < 512, max_num_batched_tokens=budget, max_num_seqs=4,
-                      gpu_memory_utilization=0.9, seed=0, swap_space=0, num_gpu_blocks_override=blocks)
+                      gpu_memory_utilization=0.9, seed=0, swap_space=0, num_gpu_blocks_override=blocks, **images)
     return LLMEngine.from_engine_args(args)
 
 

@@ -57,7 +57,11 @@ def distributed():
 # head dims differ (a transposed state cannot pass), two value heads per key head, experts with top-2 routing
 SMALL_HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
                 "linear_value_head_dim": 12, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                "shared_expert_intermediate_size": 16}
+                "shared_expert_intermediate_size": 16,
+                # the adapter reads its MRoPE split here since 2f7d5f5 (the published config's nesting): at head size
+                # 64 a quarter rotated is 16 dims, 8 frequencies over time, height and width (tiny_model's rule)
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                    "mrope_section": [3, 3, 2], "mrope_interleaved": True}}
 
 
 def seeded(model, seed=0, std=0.15):

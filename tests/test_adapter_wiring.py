@@ -35,7 +35,7 @@ def test_wrong_pin_is_refused(cli, corex_rootfs: Path, adapter: tuple[Path, str]
     result = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--source", f"qwen36-adapter={clone}@{'0' * 40}")
     assert result.code == 2 and f"commit {'0' * 40} is not in" in result.err
     pinned = cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, "--source", f"qwen36-adapter={clone}")
-    assert pinned.code == 2 and "commit 5a1c8c79e234df641b4d6ed8790d5fc5435a08b7 is not in" in pinned.err
+    assert pinned.code == 2 and "commit 2f7d5f5720863570d23d989ef8bbc7a387c606d4 is not in" in pinned.err
 
 
 def test_a_no_checkout_clone_bundles_the_same_files(cli, corex_rootfs: Path, adapter: tuple[Path, str],
@@ -96,7 +96,7 @@ def test_fetch_mode_build_clones_and_verifies_the_pin(cli, tmp_path: Path) -> No
     out = tmp_path / "sub"
     result = cli("build", FLAGSHIP, "-o", out, "--json")
     assert result.code == 0, result.err
-    commit = "5a1c8c79e234df641b4d6ed8790d5fc5435a08b7"
+    commit = "2f7d5f5720863570d23d989ef8bbc7a387c606d4"
     # no test reaches GitHub (conftest): the flagship's host-or-image source falls back to the image build, loudly
     assert any("NOT BUNDLED: THE IMAGE BUILD MUST CLONE" in n and f"at {commit}" in n for n in result.json()["notes"])
     # what needs the fetched adapter cannot be tried before writing: the report says so, by name

@@ -45,7 +45,7 @@ def test_a_verb_that_runs_the_served_code_refuses_an_incomplete_tree_first(
     assert "each deploys from it, edits what it deploys, or requires one that does (adapter-" in message
     assert "adapter-model" in message and "nothing was built or started" in message
     assert said["fix"].startswith("pass --source qwen36-adapter=PATH (a clone of "
-                                  "https://github.com/wudixzy/competition.git at 5a1c8c79e234")
+                                  "https://github.com/wudixzy/competition.git at 2f7d5f572086")
     assert not out.exists()
 
 

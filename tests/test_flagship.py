@@ -66,7 +66,8 @@ def test_patched_files_carry_markers_and_changes(cli, corex_rootfs: Path, flagsh
         assert "disable_custom_all_reduce=self.disable_custom_all_reduce," in arg_utils
         assert "enforce_eager=True" not in arg_utils
         assert set(read_markers(arg_utils)) == {"unhardcode-enforce-eager", "unhardcode-custom-all-reduce",
-                                                "adapter-no-auto-chunked-prefill"}
+                                                "adapter-no-auto-chunked-prefill",
+                                                "adapter-keep-prefix-caching-multimodal"}
         assert "Chunked prefill is enabled by default" not in arg_utils
         # the adapter's replacement, with the recipe's edits of it in the same write
         paged = (root / "vllm/attention/ops/paged_attn.py").read_text()

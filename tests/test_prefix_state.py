@@ -1,5 +1,6 @@
 """Prefix caching on the hybrid model (`pytest -k prefix_state`): the pinned adapter's block-id state LRU changes
-the served tokens, the flagship's prefix-state transforms make them equal to a run without the cache.
+the served tokens (at 2f7d5f5 still, though no longer for a whole-prompt hit), the flagship's prefix-state
+transforms make them equal to a run without the cache.
 
 The harness (tests/runtime_prefix_state.py) drives vLLM 0.6.3's own scheduler, prefix-caching block manager, model
 runner and sampler on the CPU runtime, over the CoreX-like tree with the pinned adapter, patched by the flagship
@@ -71,15 +72,25 @@ def _run(tmp: Path, template: Path, adapter_args: list[str], transformers: Path,
     return result
 
 
+# at 2f7d5f5 the adapter restores a state captured at the exact block boundary (its exact-prefix fast-forward):
+# a whole-prompt hit, in one chunk or several, serves right; a hit on blocks whose state is another prompt's, or a
+# state the LRU still holds for blocks reused since, does not (at 5a1c8c7 every hit case did)
+RIGHT_AT_PIN = ("exact", "shared", "chunked", "switched-off")
+WRONG_AT_PIN = ("mixed", "reused", "evicted")
+
+
 def test_prefix_state_the_pinned_adapter_changes_the_tokens(pinned: dict[str, Any]) -> None:
-    """Each of (a)-(d) serves different logits with the cache on; the control does not (so the harness can tell)."""
-    assert pinned["control"]["max_abs_logit_diff"] < TOLERANCE, pinned["control"]
-    assert pinned["control"]["tokens_on"] == pinned["control"]["tokens_off"]
-    for name in CASES[1:]:
+    """The hit cases the adapter as pinned still gets wrong serve different logits with the cache on; the control
+    and the cases its exact-prefix restore fixed do not (so the harness can tell)."""
+    assert set(RIGHT_AT_PIN + WRONG_AT_PIN) == set(CASES[1:])
+    for name in ("control", *RIGHT_AT_PIN):
+        got = pinned[name]
+        assert got["max_abs_logit_diff"] < TOLERANCE and got["tokens_on"] == got["tokens_off"], (name, got)
+    for name in WRONG_AT_PIN:
         got = pinned[name]
         assert got["max_abs_logit_diff"] > 100 * TOLERANCE, (name, got)
         assert got["cached_tokens"] > 0, (name, got)  # the adapter's count: the whole hit, served wrong
-    assert any(pinned[n]["tokens_on"] != pinned[n]["tokens_off"] for n in CASES[1:])
+    assert any(pinned[n]["tokens_on"] != pinned[n]["tokens_off"] for n in WRONG_AT_PIN)
 
 
 def test_prefix_state_the_flagship_serves_the_same_tokens(fixed: dict[str, Any]) -> None:
@@ -145,11 +156,13 @@ def test_prefix_state_preflight_checks_the_declaration_against_the_patched_files
 
 def test_prefix_state_the_conversation_workload_hit_rate_is_real(pinned: dict[str, Any],
                                                                   fixed: dict[str, Any]) -> None:
-    """Cumulative multi-turn sessions with a shared system prompt and tools: the pinned adapter reports more cached
-    tokens and serves wrong answers; the flagship reports only what it skipped, still more than half, all right."""
+    """Cumulative multi-turn sessions with a shared system prompt and tools: the pinned adapter serves wrong answers
+    (at 5a1c8c7 it also reported more cached tokens than it could serve right; at 2f7d5f5 it restores fewer hits,
+    some of them wrong); the flagship reports only what it skipped, more than half, all right (measured at 2f7d5f5:
+    hit rates 0.49 for the adapter, 0.56 for the flagship)."""
     wrong, right = pinned["workload"], fixed["workload"]
     assert wrong["prompt_tokens"] == right["prompt_tokens"] and right["requests"] == 12
     assert wrong["wrong_answers"] > 0 and right["wrong_answers"] == 0
-    assert 0.5 < right["cache_hit_rate"] < wrong["cache_hit_rate"]
+    assert right["cache_hit_rate"] > 0.5 and wrong["cache_hit_rate"] > 0, (wrong, right)
     assert right["recomputed_tokens"] == right["prompt_tokens"] - right["cached_tokens"]
     assert right["checkpoint_bytes"] > 0

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import textwrap
 import uuid
 from pathlib import Path
 from typing import Any
@@ -222,24 +221,14 @@ def test_the_accelerator_count_is_the_recipes(cli, python: Path, adapter: tuple[
 def test_a_served_flag_the_vendors_config_turns_off_silently_fails_preflight(cli, python: Path,
                                                                              adapter: tuple[Path, str],
                                                                              tmp_path: Path) -> None:
-    """vLLM 0.6.3 turns --enable-prefix-caching off, with a warning only, for any model it sees as multimodal (the
-    adapter's model since 2f7d5f5 has a vision tower): here a transform makes every model look so. The server would
-    start and serve without the cache the recipe is built around; preflight says so, by flag."""
+    """vLLM 0.6.3 turns --enable-prefix-caching off, with a warning only, for any model it sees as multimodal, which
+    the adapter's model is since 2f7d5f5 (a vision tower). Without the flagship's transform that keeps it on, the
+    server would start and serve without the cache the recipe is built around; preflight says so, by flag."""
     clone, commit = adapter
-    block = """\
-        if model_config.is_multimodal_model:
-            if self.enable_prefix_caching:
-                logger.warning(
-                    "--enable-prefix-caching is currently not "
-                    "supported for multimodal models and has been disabled.")
-            self.enable_prefix_caching = False
-        """
-    mutant = {"id": "every-model-multimodal", "kind": "statements", "file": "vllm/engine/arg_utils.py",
-              "scope": "EngineArgs.create_engine_config", "old": textwrap.dedent(block),
-              "new": "self.enable_prefix_caching = bool(0)", "why": "test", "remove_when": "never"}
-    recipe = recipe_copy(tmp_path, lambda d: d["transforms"].append(mutant))
+    recipe = recipe_copy(tmp_path, lambda d: d.__setitem__(
+        "transforms", [t for t in d["transforms"] if t["id"] != "adapter-keep-prefix-caching-multimodal"]))
     result = cli("preflight", recipe, "--source", f"qwen36-adapter={clone}@{commit}", "--json")
-    assert result.code == 2, result.out[-2000:]
+    assert result.code == 2, result.out[-2000:] + result.err[-2000:]
     failed = [s for s in by_variant(result)["base"]["stages"] if not s["ok"]]
     assert failed and failed[0]["stage"] == "served-flags", failed
     assert "turns on --enable-prefix-caching" in failed[0]["message"], failed

@@ -367,10 +367,12 @@ def test_profile_the_flagship_probes_through_vllms_model_runner(cli, tmp_path: P
         rows = {r["region"]: r for r in buckets[bucket]}
         probed = {name for name in rows if ".native_" not in name}
         # every declared region, the vendor backend's XFormersImpl.forward included (the adapter's attention is
-        # vLLM's Attention layer, whose KV write and decode the CPU references compute), but the MoE block's TP
-        # all-reduce: the pinned adapter calls it only when `self.experts.tp_size > 1`, and this harness is TP 1
-        # (the rehearsal, at TP 2, reaches it)
-        assert probed == declared - {"step.model_forward.layer.moe.all_reduce"}, (bucket, sorted(probed ^ declared))
+        # vLLM's Attention layer, whose KV write and decode the CPU references compute), but two this harness's TP 1
+        # cannot reach (the rehearsal, at TP 2, reaches both): the MoE block's TP all-reduce (the pinned adapter
+        # calls it only when `self.experts.tp_size > 1`) and the packed q/gate/k/v GEMM (only where the TP size
+        # exceeds the KV heads, `use_packed_local_qgkv`: the served TP 4 over 2)
+        unreached = {"step.model_forward.layer.moe.all_reduce", "step.model_forward.layer.attention.qgkv_proj"}
+        assert probed == declared - unreached, (bucket, sorted(probed ^ declared))
         # the native fast paths time themselves inside the probed region that called them
         assert {"step.model_forward.layer.gdn.norm.native_norm_gated",
                 "step.model_forward.layer.moe.routed.native_moe_segments"} & set(rows), sorted(rows)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import FLAGSHIP, REPO
+from conftest import FLAGSHIP, REPO, flagship_before_the_upgrade
 from test_prefix_state import without_prefix_state
 from test_preflight import recipe_copy
 
@@ -37,8 +37,10 @@ from toolkit.runtime.preflight import Tree
 from toolkit.submission.render import render
 
 TEMPLATE = "/opt/toolkit/chat_templates/qwen36_multi_system.jinja"
-# legacy40's KV for 12288 tokens (every layer counted: 192 MB at TP 1) does not fit beside the tiny model
-MEMORY_GB = 0.15
+# beside the start's profile (since 2f7d5f5 a 1536-token prefill with one max-size image: about 1.07 GB emulated),
+# legacy40's KV cache holds 487 blocks at TP 1 (every layer counted), under the 768 of 12288 tokens, while the
+# flagship's accounting (10 layers) holds 1949 (measured)
+MEMORY_GB = 1.26
 LEADING_SYSTEM_ONLY = (
     "{%- if messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' ~ messages[0].content ~ '<|im_end|>\\n' -}}"
     "{%- endif -%}{%- for m in messages -%}{%- if m.role != 'system' -%}"
@@ -304,10 +306,19 @@ def test_a_template_that_keeps_only_a_leading_system_message_fails_the_multi_sys
 
 
 def test_the_prefix_state_transforms_removed_change_the_tokens_with_the_cache_on(
-        tmp_path: Path, adapter_args: list[str]) -> None:
-    """The adapter as pinned (its block-id GatedDeltaNet state LRU): the conversations served with the prefix cache
-    differ from those served without it (TP 1: the state goes wrong on one rank as on two)."""
-    recipe = recipe_copy(tmp_path / "recipe", without_prefix_state)
+        tmp_path: Path, adapter_before: tuple[Path, str]) -> None:
+    """The adapter at 5a1c8c7, the flagship's pin before the upgrade (its block-id GatedDeltaNet state LRU; its
+    layer as it was): the conversations served with the prefix cache differ from those served without it (TP 1: the
+    state goes wrong on one rank as on two). At 2f7d5f5 the adapter restores a single-sequence hit right, and these
+    conversations no longer tell (the prefix-state harness still does: test_prefix_state.py)."""
+    clone, before = adapter_before
+    data = load_recipe(flagship_before_the_upgrade(tmp_path / "before")).located.data
+    data["patches"] = str(REPO / "patches/src")
+    without_prefix_state(data)
+    (tmp_path / "recipe").mkdir()
+    recipe = tmp_path / "recipe" / "bi100-qwen36.yaml"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    adapter_args = ["--source", f"qwen36-adapter={clone}@{before}"]
     report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
                                           checks=("prefix-cache",)))
     checks = _checks(report)
@@ -346,6 +357,9 @@ def test_legacy40_kv_accounting_with_small_memory_fails_where_the_vendor_sizes_t
     detail = checks["start"]["detail"]
     assert "is larger than the maximum number of tokens that can be stored in KV cache" in detail, detail
     assert "vllm/worker/worker.py:" in detail
+    base = rehearse_cmd(RehearseRequest(FLAGSHIP, _sources(adapter_args), tp=1, output=tmp_path / "base",
+                                        memory_gb=MEMORY_GB, checks=("short",)))
+    assert base.exit_code == 0, _checks(base)  # the same card serves the flagship's accounting
     assert stray_processes() == []
 
 
@@ -440,11 +454,24 @@ def test_a_cache_off_server_that_reports_cached_tokens_fails_the_comparison() ->
     tokens = [f"token_id:{i}" for i in range(model.MAX_TOKENS)]
     on = [_record("c", turn, 64 * turn, tokens) for turn in range(3)]
     clean = [_record("c", turn, 0, tokens) for turn in range(3)]
-    assert prefix_cache_check(on, clean, clean).ok
+    assert prefix_cache_check(on, clean, clean, model.BATCH_TOKENS).ok
     leaky = [_record("c", turn, 32 * turn, tokens) for turn in range(3)]
-    check = prefix_cache_check(on, clean, leaky)
+    check = prefix_cache_check(on, clean, leaky, model.BATCH_TOKENS)
     assert not check.ok and "the servers without --enable-prefix-caching reported cached tokens: c turn 1 (32 " \
         "cached), c turn 2 (64 cached)" in check.detail, check.detail
+
+
+def test_only_a_model_with_a_vision_tower_is_rehearsed_in_chunks_big_enough_for_its_image(tmp_path: Path) -> None:
+    """vLLM 0.6.3 starts a multimodal model only with a budget for one max-size image; a text model keeps the small
+    chunks (a prefill chunked several times beside decodes), and its prompts stay longer than its budget."""
+    from toolkit.rehearsal.requests import long_system
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    assert model.batch_tokens(tmp_path) == model.BATCH_TOKENS
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "vision_config": {"depth": 1}}))
+    assert model.batch_tokens(tmp_path) == model.MULTIMODAL_BATCH_TOKENS > 1282
+    for budget in (model.BATCH_TOKENS, model.MULTIMODAL_BATCH_TOKENS):
+        assert len(long_system(budget)) / 2.5 > budget * 1.2
 
 
 def test_a_server_that_wrote_no_stand_ins_record_fails_the_weights_check(tmp_path: Path) -> None:
@@ -522,9 +549,11 @@ def test_a_decode_reading_the_wrong_block_fails_the_answers_against_a_fresh_pref
 # one line of a fast path the toolkit injects, made wrong: it is wrong alike in prefill and decode, at every TP, with
 # the cache on and off, so only the plain forward (outside vLLM) can tell
 FAST_PATH_MUTANTS = {
-    # the GatedDeltaNet prefill's state carried from chunk to chunk decayed by g, not exp(g) (CHUNK_PARALLEL)
-    "gdn-decay-g": ("native_fastpaths/gdn.py", "        chunk_decay = last.exp().unsqueeze(-1)",
-                    "        chunk_decay = last.unsqueeze(-1)"),
+    # the GatedDeltaNet prefill's state carried from chunk to chunk decayed by exp(g/2), not exp(g) (CHUNK_PARALLEL):
+    # finite (a decay by g itself overflows over the multimodal model's longer prompts, and the server's 500 on a
+    # NaN logprob says nothing of where)
+    "gdn-decay-half": ("native_fastpaths/gdn.py", "        chunk_decay = last.exp().unsqueeze(-1)",
+                       "        chunk_decay = (last / 2).exp().unsqueeze(-1)"),
     # the router's k weights not renormalised to sum 1 (MOE_NATIVE)
     "moe-no-renormalisation": ("native_fastpaths/moe.py",
                                "        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
@@ -827,3 +856,28 @@ def test_a_tp_rehearsal_that_reduced_nothing_through_ixformer_fails_start(tmp_pa
     assert start.ok is ok, start.detail
     if not ok:
         assert "no TP all-reduce went through ixformer.distributed.all_reduce" in start.detail
+
+
+def test_a_server_that_dies_before_the_answers_are_tokenized_fails_the_check_with_its_log(tmp_path: Path) -> None:
+    """The answers check's first request renders its prompts on the served server; a server gone by then (a
+    connection refused) is the check's failure with the server's traceback, not a crash of the rehearsal."""
+    from toolkit.bench.serve import Server, free_port
+    from toolkit.rehearsal.checks.answers import Answers
+    from toolkit.rehearsal.checks.base import Run
+
+    model_dir = tmp_path / "tiny"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    log = tmp_path / "server.log"
+    log.write_text("Traceback (most recent call last):\n  File \"/x/engine.py\", line 3, in step\n"
+                   "RuntimeError: the engine died\n")
+    tree = Tree([tmp_path / "tree"], tmp_path / "tree", {}, "here")
+    stage = servers.Stage(load_recipe(FLAGSHIP).recipe, "", tree, Path("/py"), model_dir, 1, tmp_path, None, 2.0,
+                          lambda _: None, model.Rehearsal("base", 1, tmp_path))
+    server = Server([], {}, tmp_path, log, f"http://127.0.0.1:{free_port()}")
+    check = Answers(Run(stage, [], frozenset()))
+    check.on("cache-off", servers.Live(servers.ServerSpec("cache-off"), server, []))
+    verdict = check.verdict()
+    assert not verdict.ok and "did not tokenize the answers' prompts (ConnectError" in verdict.detail, verdict.detail
+    assert "RuntimeError: the engine died" in verdict.detail
+    assert check.needs() == check.servers  # no reference server is started for answers never read

@@ -154,7 +154,7 @@ def test_a_force_pushed_pin_resolves_while_it_exists_and_says_so_when_gone(vllm_
         (bare.parent / "adapter-work/README.md").write_text("rewritten\n")
         work.git.add("--all")
         work.git.commit("--amend", "-m", "rewritten")
-        work.git.push("--force", str(bare), f"HEAD:refs/heads/{work.active_branch.name}")
+        work.git.push("--force", str(bare), "HEAD:refs/heads/newest")  # the branch make_repo pushed the pin to
 
     def resolve(where: Path) -> str:
         loaded = load_recipe(recipe_with(where, url, pinned))
@@ -174,23 +174,23 @@ def test_a_force_pushed_pin_resolves_while_it_exists_and_says_so_when_gone(vllm_
     assert "no branch or tag reaches it" in info.value.message and "--source qwen36-adapter=PATH" in info.value.hint
 
 
-def test_the_adapters_newest_commit_is_refused_by_build_naming_what_drifted(cli, vllm_063: Path,
+def test_the_adapters_commit_before_the_upgrade_is_refused_by_build_naming_what_drifted(cli, vllm_063: Path,
                                                                             tmp_path: Path) -> None:
-    """The adapter's real newest commit (shared/, byte for byte, on top of the pin in one repository): the trial
-    tries every transform on its files and build refuses it naming exactly the transforms whose anchors are gone,
-    in both roots, writing nothing. What the upgrade verb (issue 54) starts from: a change here is a change in what
-    the anchors see."""
-    from pinned_adapter import add_newest
+    """The adapter's commit before the upgrade (5a1c8c7, byte for byte from shared/, the first commit of the
+    suite's repository of its history): the trial tries every transform on its files and build refuses it naming
+    exactly the transforms whose anchors the upgrade moved, in both roots, writing nothing. A change here is a change
+    in what the anchors see."""
+    from pinned_adapter import history
 
-    clone, _ = make_repo(tmp_path / "repo")
-    newest = add_newest(clone)
+    clone, before, _ = history(tmp_path / "repo")
     out = tmp_path / "sub"
     result = cli("build", REPO / "recipes" / "bi100-qwen36.yaml", "-o", out, "--source",
-                 f"qwen36-adapter={clone}@{newest}", "--json")
+                 f"qwen36-adapter={clone}@{before}", "--json")
     assert result.code != 0 and not out.exists(), result.out[-2000:] + result.err[-2000:]
     results = result.json()["results"]
     drifted = {(r["transform"], r["root"]) for r in results if r["state"] == "DRIFTED"}
     roots = {r["root"] for r in results if r["transform"] == "prefix-state-no-block-id-save"}
     assert len(roots) == 2, roots
-    assert drifted == {(t, root) for t in ("prefix-state-no-block-id-save", "probe-moe-router",
-                                            "probe-moe-shared-gate") for root in roots}, sorted(drifted)
+    assert drifted == {(t, root) for t in ("prefix-state-no-adapter-capture", "prefix-state-no-block-id-save",
+                                            "probe-moe-router", "probe-attention-qgkv-proj") for root in roots}, \
+        sorted(drifted)

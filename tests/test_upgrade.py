@@ -12,8 +12,8 @@ from typing import Any
 
 import git
 import pytest
-from conftest import REPO
-from pinned_adapter import add_newest, make_repo
+from conftest import REPO, flagship_before_the_upgrade
+from pinned_adapter import history
 
 from toolkit.cli import main
 from toolkit.commands.upgrade import UpgradeRequest, upgrade
@@ -458,14 +458,14 @@ def test_every_layer_round_trips_byte_for_byte_through_the_writer() -> None:
 
 @pytest.fixture(scope="module")
 def adapter_history(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
-    bare, pin = make_repo(tmp_path_factory.mktemp("history"))
-    return bare, pin, add_newest(bare)
+    return history(tmp_path_factory.mktemp("history"))
 
 
-def test_the_adapters_real_history_from_its_pin_to_its_newest_commit(
-        adapter_history: tuple[Path, str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    bare, pin, newest = adapter_history
-    code = main(["upgrade", str(FLAGSHIP), "--source", f"qwen36-adapter={bare}@{newest}", "--from", pin, "--json"])
+def test_the_adapters_real_history_from_its_old_pin_to_its_newest_commit(
+        adapter_history: tuple[Path, str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bare, before, newest = adapter_history
+    recipe = flagship_before_the_upgrade(tmp_path)
+    code = main(["upgrade", str(recipe), "--source", f"qwen36-adapter={bare}@{newest}", "--from", before, "--json"])
     data = json.loads(capsys.readouterr().out)
     fates = {f["transform"]: f for f in data["fates"]}
     unsettled = {t for t, f in fates.items() if f["fate"] != "carries"}
@@ -484,5 +484,23 @@ def test_the_adapters_real_history_from_its_pin_to_its_newest_commit(
     assert fates["adapter-model"]["fate"] == "carries" and "qwen3_5.py +" in fates["adapter-model"]["detail"]
     assert "around it, Scheduler.schedule changed" in fates["prefix-state-attach"]["detail"]
     assert data["counts"]["carries"] == len(fates) - 8
-    origin = fates["prefix-state-no-block-id-save"]["origin"]
-    assert origin.startswith(str(REPO / "layers" / "qwen36-adapter.yaml"))
+    assert fates["prefix-state-no-block-id-save"]["origin"].startswith(str(tmp_path / "layers" / "qwen36-adapter.yaml"))
+
+
+def test_the_flagship_at_its_new_pin_carries_and_back_to_the_old_one_names_what_the_upgrade_decided(
+        adapter_history: tuple[Path, str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """The flagship in this repository is the upgrade's result: at its pin every transform carries; moved back to
+    the old commit (bisecting), exactly what a person decided on the way up is unsettled."""
+    bare, before, newest = adapter_history
+    assert main(["upgrade", str(FLAGSHIP), "--source", f"qwen36-adapter={bare}@{newest}", "--from", newest,
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {f["fate"] for f in data["fates"]} == {"carries"} and data["written"] == []
+    assert main(["upgrade", str(FLAGSHIP), "--source", f"qwen36-adapter={bare}@{before}", "--from", newest,
+                 "--json"]) == 1
+    fates = {f["transform"]: f["fate"] for f in json.loads(capsys.readouterr().out)["fates"]}
+    print(json.dumps({t: f for t, f in fates.items() if f != "carries"}, indent=1))
+    assert {t for t, f in fates.items() if f != "carries"} == {
+        "prefix-state-no-adapter-capture", "prefix-state-no-block-id-save", "probe-moe-router",
+        "probe-attention-qgkv-proj", "moe-native", "prefix-state-gdn"}
+    assert fates["probe-attention-qgkv-proj"] == "gone"  # no self.qgkv_proj at 5a1c8c7, nothing in its place

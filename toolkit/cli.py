@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "they are; the recipe is applied to a copy of them (as preflight --rootfs does), not required "
                    "to be applied there already")
     p.add_argument("--device-memory-gb", type=float, metavar="GB", help="the emulated card's memory the vendor "
-                   "sizes the KV cache from (default 0.5: that cache is this machine's memory)")
+                   "sizes the KV cache from (default 2: that cache is this machine's memory)")
     from toolkit.rehearsal.checks import CHECKS
 
     p.add_argument("--check", action="append", metavar="NAME", help="run only this check (repeatable): " + "; ".join(

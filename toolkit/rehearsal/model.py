@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,12 @@ from typing import Any
 MAX_MODEL_LEN = 12288
 # below the rehearsal's prompt lengths, so a prefill is chunked and runs beside decodes, as on the platform
 BATCH_TOKENS = 256
-# the KV cache the vendor sizes from the emulated card's memory is allocated in this machine's memory
-DEVICE_MEMORY_GB = 0.5
+# a multimodal model's start profiles one max-size image in one sequence (the adapter since 2f7d5f5: 1,282 tokens of
+# the tiny model's vision tower), and vLLM refuses a budget under that; only such a model pays for the larger chunks
+MULTIMODAL_BATCH_TOKENS = 1536
+# the KV cache the vendor sizes from the emulated card's memory is allocated in this machine's memory (the start's
+# profile run of a MULTIMODAL_BATCH_TOKENS prefill with its image must leave room for it)
+DEVICE_MEMORY_GB = 2.0
 START_TIMEOUT_S = 600.0
 MAX_TOKENS = 8
 SWAP_SPACE_GB = 0
@@ -27,6 +32,13 @@ TOKEN_IDS_FLAG = "--return-tokens-as-token-ids"
 # two float32 answers that part where both runs had the two tokens this close in logprob took the two sides of a
 # near-tie (the generation test's tolerance)
 TIE_NATS = 1e-3
+
+
+def batch_tokens(model: Path) -> int:
+    """The chunked prefill budget for the checkpoint at `model`: BATCH_TOKENS, or MULTIMODAL_BATCH_TOKENS where its
+    config has a vision tower (vLLM 0.6.3 starts such a model only with room for one image)."""
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    return MULTIMODAL_BATCH_TOKENS if "vision_config" in config else BATCH_TOKENS
 
 
 @dataclass(frozen=True)

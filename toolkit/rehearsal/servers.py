@@ -31,6 +31,7 @@ from toolkit.rehearsal.model import (
     Check,
     Rehearsal,
     Substitution,
+    batch_tokens,
 )
 from toolkit.runtime import standins
 from toolkit.runtime.preflight import Tree, emulated_devices
@@ -103,13 +104,14 @@ def auto_chunks(tree: Tree) -> bool:
 
 
 def server_command(run_config: str, python: Path, model: Path, port: int, tp: int, rootfs: Path | None = None,
-                   version: str = "0.6.3", auto_chunk: bool = True
+                   version: str = "0.6.3", auto_chunk: bool = True, batch_tokens: int = BATCH_TOKENS
                    ) -> tuple[list[str], dict[str, str], list[Substitution]]:
     """The run config's argv and env with the rehearsal's substitutions: this machine's Python, the tiny model,
     loopback and a free port (as `toolkit experiment` starts a variant), `tp`, lengths scaled to the tiny model, and
     each absolute path the argv names that the recipe deployed into `rootfs` (the chat template) read from there.
     Chunked prefill as vLLM `version` decides it for the served argv (`auto_chunk`: the tree still turns it on
-    above 32K), said explicitly where the tiny length would not trigger it. Everything else is the run config's."""
+    above 32K), said explicitly where the tiny length would not trigger it, in chunks of `batch_tokens`. Everything
+    else is the run config's."""
     served = [str(item) for item in (yaml.safe_load(run_config).get("command") or [])]
     argv, env = experiment.server_command(run_config, python, model, port)
     subs = [Substitution("python3", served[0], str(python), "the CPU runtime's Python")]
@@ -129,7 +131,7 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
             ("--port", str(port), "a free port"),
             ("--tensor-parallel-size", str(tp), f"TP {tp} on this CPU"),
             ("--max-model-len", str(MAX_MODEL_LEN), "the tiny model's length"),
-            ("--max-num-batched-tokens", str(BATCH_TOKENS if chunked else MAX_MODEL_LEN),
+            ("--max-num-batched-tokens", str(batch_tokens if chunked else MAX_MODEL_LEN),
              "scaled to the tiny model" + (": prefills are chunked" if chunked else "")),
             # each rank allocates and zeroes its swap blocks in this machine's memory (4 GiB by default: about
             # 20 s of a start and 8 GiB at TP 2); only a preempted group of several sequences swaps
@@ -163,6 +165,11 @@ class Stage:
     say: Say
     rehearsal: Rehearsal
     ready_at: dict[Path, int] = field(default_factory=dict)  # each server log's size when the server was ready
+
+    @property
+    def batch_tokens(self) -> int:
+        """The chunked prefill budget every server of this rehearsal gets (the model's: `model.batch_tokens`)."""
+        return batch_tokens(self.model)
 
     def whole_files(self) -> frozenset[str]:
         """The transforms that put whole files in place (a located frame in them names the deploy)."""
@@ -213,7 +220,8 @@ def start(stage: Stage, spec: ServerSpec, port: int | None = None,
                            hint="stop what listens there, or leave --port out (a free port is chosen)")
     tp = spec.tp or stage.tp
     argv, env, subs = server_command(stage.run_config, stage.python, stage.model, port, tp, stage.image,
-                                     stage.recipe.vendor.reference_version, auto_chunks(stage.tree))
+                                     stage.recipe.vendor.reference_version, auto_chunks(stage.tree),
+                                     stage.batch_tokens)
     if spec.prefix_caching is False:
         argv = [a for a in argv if a != "--enable-prefix-caching"]
     elif spec.prefix_caching and "--enable-prefix-caching" not in argv:
@@ -346,6 +354,6 @@ def weights_check(loads: list[dict[str, Any]], tp: int) -> Check:
     skipped = len(loads[0].get("skipped", []))
     return Check("weights", not problems, "; ".join(problems) or (
         f"every parameter on {len(loads)} rank(s) ({parameters} in all) was written by the loader; "
-        f"{skipped} checkpoint tensor(s) skipped as the loader documents (vision, MTP)"))
+        f"{skipped} checkpoint tensor(s) skipped as the loader documents (MTP; vision too before 2f7d5f5)"))
 
 

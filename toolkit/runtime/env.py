@@ -23,7 +23,10 @@ REQUIREMENTS = ("transformers==4.55.3", "numpy<2.0.0", "compressed-tensors==0.6.
                 "fastapi", "uvicorn", "uvloop", "prometheus-fastapi-instrumentator", "outlines>=0.0.43,<0.1",
                 # outlines pulls datasets, and with it pyarrow: newer ones need numpy 2
                 "pyarrow<18",
-                "pyairports")  # outlines declares it; the index's only version is an empty placeholder (_airports)
+                "pyairports",  # outlines declares it; the index's only version is an empty placeholder (_airports)
+                # vLLM 0.6.3 declares it (for Qwen2-VL): the adapter's qwen3_5.py since 2f7d5f5 imports
+                # vllm.model_executor.models.qwen2_vl, which imports einops at the top
+                "einops")
 # must never be in it: each changes the code paths vLLM takes on a CPU
 ABSENT = ("intel_extension_for_pytorch", "triton", "xformers", "vllm")
 

@@ -35,6 +35,9 @@ from typing import Any
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+# the vision tokens of the family (a multimodal model's profile run places an image's tokens between them)
+VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] if m['content'] is string else '' }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -250,10 +253,20 @@ def _tokenizer(out: Path) -> Any:
     # one token each but not special, as in the family's tokenizer: a server that skips special tokens when it
     # detokenizes keeps these, so the reasoning and tool parsers see the tags
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS.values()])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return fast
+
+
+def _rope_parameters(head_dim: int) -> dict[str, Any]:
+    """As the published config nests them (the adapter reads them there since 2f7d5f5): a quarter of each head
+    rotated, its frequencies split over the three MRoPE axes (time, height, width; 11, 11, 10 at head size 256)."""
+    half = int(head_dim * 0.25) // 2
+    sections = [half // 3 + (1 if i < half % 3 else 0) for i in range(3)]
+    return {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": sections, "mrope_interleaved": True}
 
 
 def _hybrid_config(spec: dict[str, Any], specials: dict[str, int]) -> dict[str, Any]:
@@ -267,10 +280,50 @@ def _hybrid_config(spec: dict[str, Any], specials: dict[str, int]) -> dict[str, 
     text = {key: spec[key] for key in keys} | {
         "model_type": f"{spec['model_type']}_text", "layer_types": layer_types, "max_position_embeddings": POSITIONS,
         "rms_norm_eps": 1e-6, "rope_theta": 10000000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
-        "torch_dtype": spec["dtype"], **specials}
+        "rope_parameters": _rope_parameters(spec["head_dim"]), "torch_dtype": spec["dtype"], **specials}
     return {"architectures": [spec["architecture"]], "model_type": spec["model_type"], "torch_dtype": spec["dtype"],
             "tie_word_embeddings": False, "text_config": text,
-            "vision_config": {"model_type": spec["model_type"], "depth": 1, "hidden_size": 16}, **specials}
+            "vision_config": _vision_config(spec), **specials}
+
+
+# a vision tower small enough to be cheap and whole, so a loader that loads it (the adapter since 2f7d5f5) writes
+# every parameter: 4 heads (any TP up to 4 divides them), the real 16x16 patches over 2 frames (the max-size
+# profile image then gives the 1280 tokens the adapter reserves), a 4x4 grid of positions
+VISION = {"depth": 1, "hidden_size": 16, "num_heads": 4, "intermediate_size": 32, "in_channels": 3,
+          "patch_size": 16, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}
+# the image processor the adapter's input mapper loads from the checkpoint folder, at the tower's patch shape
+PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": VISION["patch_size"],
+                "merge_size": VISION["spatial_merge_size"], "temporal_patch_size": VISION["temporal_patch_size"],
+                "min_pixels": 65536, "max_pixels": 16777216, "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5], "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+                "do_normalize": True, "do_convert_rgb": True}
+
+
+def _vision_config(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"model_type": spec["model_type"], **VISION, "out_hidden_size": spec["hidden_size"]}
+
+
+def vision_tensors(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The published checkpoint's vision tower (Qwen3.5/3.6 `model.visual.*`) at the tiny VISION shape."""
+    v, out = VISION, spec["hidden_size"]
+    dim, inter, merged = v["hidden_size"], v["intermediate_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
+    pre = "model.visual"
+    names: dict[str, tuple[int, ...]] = {
+        f"{pre}.patch_embed.proj.weight": (dim, v["in_channels"], v["temporal_patch_size"], v["patch_size"],
+                                           v["patch_size"]),
+        f"{pre}.patch_embed.proj.bias": (dim,), f"{pre}.pos_embed.weight": (v["num_position_embeddings"], dim),
+        f"{pre}.merger.norm.weight": (dim,), f"{pre}.merger.norm.bias": (dim,),
+        f"{pre}.merger.linear_fc1.weight": (merged, merged), f"{pre}.merger.linear_fc1.bias": (merged,),
+        f"{pre}.merger.linear_fc2.weight": (out, merged), f"{pre}.merger.linear_fc2.bias": (out,)}
+    for i in range(v["depth"]):
+        block = f"{pre}.blocks.{i}"
+        names |= {f"{block}.norm1.weight": (dim,), f"{block}.norm1.bias": (dim,), f"{block}.norm2.weight": (dim,),
+                  f"{block}.norm2.bias": (dim,), f"{block}.attn.qkv.weight": (3 * dim, dim),
+                  f"{block}.attn.qkv.bias": (3 * dim,), f"{block}.attn.proj.weight": (dim, dim),
+                  f"{block}.attn.proj.bias": (dim,), f"{block}.mlp.linear_fc1.weight": (inter, dim),
+                  f"{block}.mlp.linear_fc1.bias": (inter,), f"{block}.mlp.linear_fc2.weight": (dim, inter),
+                  f"{block}.mlp.linear_fc2.bias": (dim,)}
+    return names
 
 
 def hybrid_tensors(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -309,9 +362,10 @@ def hybrid_tensors(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                       f"{layer}.linear_attn.A_log": (hv,), f"{layer}.linear_attn.dt_bias": (hv,),
                       f"{layer}.linear_attn.norm.weight": (dv,),
                       f"{layer}.linear_attn.out_proj.weight": (hidden, hv * dv)}
-    # what the adapter's loader skips by name (ADAPTER.md 4b): the vision tower and the MTP head
-    names |= {"model.visual.patch_embed.proj.weight": (16, 3, 2, 2), "model.visual.blocks.0.attn.qkv.weight": (48, 16),
-              "mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
+    # the vision tower (skipped by name by the adapter's loader at 5a1c8c7, loaded since 2f7d5f5) and the MTP head
+    # (skipped by both)
+    names |= vision_tensors(spec)
+    names |= {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.norm.weight": (hidden,),
               "mtp.layers.0.mlp.gate.weight": (experts, hidden)}
     return names
 
@@ -375,7 +429,10 @@ def main(spec: dict[str, Any], out: Path) -> None:
     fast = _tokenizer(out)
     if spec.get("composite"):
         specials = {"bos_token_id": fast.convert_tokens_to_ids("<|endoftext|>"), "eos_token_id": fast.eos_token_id}
-        (out / "config.json").write_text(json.dumps(_hybrid_config(spec, specials), indent=2) + "\n")
+        config = _hybrid_config(spec, specials)
+        config |= {key: fast.convert_tokens_to_ids(token) for key, token in VISION_TOKENS.items()}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
         GenerationConfig(eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id).save_pretrained(out)
         _hybrid_weights(spec, out)
         return

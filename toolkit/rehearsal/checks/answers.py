@@ -76,11 +76,11 @@ ANSWER_TOKENS = 12
 MIN_COMPARED = 16
 
 
-def answer_messages() -> list[tuple[str, list[dict[str, Any]]]]:
+def answer_messages(batch_tokens: int) -> list[tuple[str, list[dict[str, Any]]]]:
     """What the answers are asked: the conversations' first turns (longer than the batch-token budget: a chunked
     prefill) and the multi-system request (one chunk)."""
     firsts = [(c.id, [{"role": "system", "content": c.system or ""}, {"role": "user", "content": c.turns[0].user}])
-              for c in conversations()]
+              for c in conversations(batch_tokens)]
     return [*firsts, ("multi-system", multi_system_messages())]
 
 
@@ -96,13 +96,18 @@ def _answer(stage: Stage, live: Live, label: str, prompts: list[Prompt],
     return got
 
 
-def _tokenized(live: Live) -> list[Prompt]:
+def _tokenized(stage: Stage, live: Live) -> list[Prompt]:
+    """The answers' prompts as the served template renders them; a server that fails to render them (or dies) is a
+    ToolkitError carrying its log's cause, so the check fails saying why instead of the rehearsal crashing."""
     async def run() -> list[Prompt]:
         async with httpx.AsyncClient(timeout=120) as http:
-            return [Prompt(name, tuple(await tokenize(http, live.server.url, live.server.model,
-                                                                      messages)))
-                    for name, messages in answer_messages()]
-    return asyncio.run(run())
+            return [Prompt(name, tuple(await tokenize(http, live.server.url, live.server.model, messages)))
+                    for name, messages in answer_messages(stage.batch_tokens)]
+    try:
+        return asyncio.run(run())
+    except httpx.HTTPError as exc:
+        raise ToolkitError(f"the server did not tokenize the answers' prompts ({type(exc).__name__}: {exc}); "
+                           f"the server's log: {stage.server_error(live.server)}") from exc
 
 
 def plain_answers(stage: Stage, prompts: list[Prompt]) -> tuple[list[Answer] | None, str]:
@@ -193,12 +198,13 @@ class Answers(RehearsalCheck):
         self.plain: list[Answer] | None = None
         self.unplain = ""
         self.off: list[Answer] | None = None
+        self.untokenized = ""  # why the prompts could not be rendered on the served server, if they could not
         self.reference = fast_paths_off(run.stage.recipe)  # refused before anything starts when it cannot be made
 
     def needs(self) -> tuple[str, ...]:
         # the TP 1 reference only where there is another rank count, and only for answers that were read (a failure
         # is reported as it is, not hidden behind another start)
-        if any(a.error for a in self.mine):
+        if self.untokenized or any(a.error for a in self.mine):
             return self.servers
         paths_off = ("paths-off",) if self.reference.env else ()  # no fast path to turn off: the served code
         return (*self.servers, *(("tp1",) if self.run.stage.tp > 1 else ()), *paths_off)
@@ -217,7 +223,11 @@ class Answers(RehearsalCheck):
         if server == "paths-off":
             self.off = _answer(stage, live, "answers, the fast paths off, TP 1", self.prompts, ANSWER_TOKENS)
             return
-        self.prompts = _tokenized(live)
+        try:
+            self.prompts = _tokenized(stage, live)
+        except ToolkitError as exc:
+            self.untokenized = exc.message
+            return
         self.mine = _answer(stage, live, f"answers, TP {tp}", self.prompts, ANSWER_TOKENS)
         following = [prefill_prompts(a) for a in self.mine]
         flat = _answer(stage, live, f"answers, TP {tp}: one token after a fresh prefill",
@@ -230,6 +240,8 @@ class Answers(RehearsalCheck):
             self.plain, self.unplain = plain_answers(stage, self.prompts)
 
     def verdict(self) -> Check:
+        if self.untokenized:
+            return Check(self.name, False, self.untokenized)
         if not self.mine:
             return self.unsent()
         return answers_check(self.run.stage.tp, self.mine, self.nexts, self.theirs, self.plain, self.unplain,

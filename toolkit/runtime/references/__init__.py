@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import ixformer
+from . import ixformer, xformers
 
-REFERENCES: dict[str, Callable[..., Any]] = {**ixformer.FUNCTIONS}
+REFERENCES: dict[str, Callable[..., Any]] = {**ixformer.FUNCTIONS, **xformers.FUNCTIONS}
 
 
 def reference(name: str) -> Callable[..., Any] | None:
