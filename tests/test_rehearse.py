@@ -33,6 +33,7 @@ from toolkit.rehearsal.checks import REQUEST_CHECKS, parsers
 from toolkit.rehearsal.checks.prefix_cache import prefix_cache_check
 from toolkit.rehearsal.checks.profile import profile_check
 from toolkit.rehearsal.locate import locate
+from toolkit.rehearsal.requests import LONG_SYSTEM
 from toolkit.runtime.preflight import Tree
 from toolkit.submission.render import render
 
@@ -223,7 +224,12 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert report.exit_code == 0
     assert variant["tp"] == 2
     assert {s["flag"] for s in variant["substitutions"]} >= {"--model", "--tensor-parallel-size", "--chat-template",
-                                                            "device memory"}
+                                                            "device memory", servers.TEXT_ONLY.flag}
+    # the served server started with the image profile's budget, the comparison servers with no image per prompt
+    argv = {Path(log).stem: Path(log).read_text(encoding="utf-8", errors="replace") for log in variant["logs"]}
+    assert f"max_num_batched_tokens={model.MULTIMODAL_BATCH_TOKENS}," in argv["served"]
+    assert "limit_mm_per_prompt=None" in argv["served"]
+    assert "limit_mm_per_prompt={'image': 0}" in argv["cache-on"] and "max_num_batched_tokens=256," in argv["cache-on"]
     assert {"ixformer.functions.vllm_single_query_cached_kv_attention", "ixformer.functions.linear",
             "ixformer.distributed.all_reduce"} <= set(variant["references"])
     assert {"gloo-for-nccl", "load-check", "registry-check-forked", "device-tensor-tests"} <= set(variant["shims"])
@@ -454,24 +460,19 @@ def test_a_cache_off_server_that_reports_cached_tokens_fails_the_comparison() ->
     tokens = [f"token_id:{i}" for i in range(model.MAX_TOKENS)]
     on = [_record("c", turn, 64 * turn, tokens) for turn in range(3)]
     clean = [_record("c", turn, 0, tokens) for turn in range(3)]
-    assert prefix_cache_check(on, clean, clean, model.BATCH_TOKENS).ok
+    assert prefix_cache_check(on, clean, clean).ok
     leaky = [_record("c", turn, 32 * turn, tokens) for turn in range(3)]
-    check = prefix_cache_check(on, clean, leaky, model.BATCH_TOKENS)
+    check = prefix_cache_check(on, clean, leaky)
     assert not check.ok and "the servers without --enable-prefix-caching reported cached tokens: c turn 1 (32 " \
         "cached), c turn 2 (64 cached)" in check.detail, check.detail
 
 
-def test_only_a_model_with_a_vision_tower_is_rehearsed_in_chunks_big_enough_for_its_image(tmp_path: Path) -> None:
-    """vLLM 0.6.3 starts a multimodal model only with a budget for one max-size image; a text model keeps the small
-    chunks (a prefill chunked several times beside decodes), and its prompts stay longer than its budget."""
-    from toolkit.rehearsal.requests import long_system
-
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
-    assert model.batch_tokens(tmp_path) == model.BATCH_TOKENS
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "vision_config": {"depth": 1}}))
-    assert model.batch_tokens(tmp_path) == model.MULTIMODAL_BATCH_TOKENS > 1282
-    for budget in (model.BATCH_TOKENS, model.MULTIMODAL_BATCH_TOKENS):
-        assert len(long_system(budget)) / 2.5 > budget * 1.2
+def test_only_the_served_server_of_a_multimodal_model_gets_chunks_big_enough_for_its_image() -> None:
+    """vLLM 0.6.3 starts a multimodal model only with a budget for one max-size image: the served server gets it;
+    the comparison servers (text requests) start with no image per prompt and keep the small chunks their prompts
+    are longer than (the flagship rehearsal reads both from the servers' logs)."""
+    assert model.MULTIMODAL_BATCH_TOKENS > 1282 and len(LONG_SYSTEM) / 2.5 > model.BATCH_TOKENS
+    assert all(spec.text_only == (name != "served") for name, spec in servers.SERVERS.items())
 
 
 def test_a_server_that_wrote_no_stand_ins_record_fails_the_weights_check(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ MAX_MODEL_LEN = 12288
 # below the rehearsal's prompt lengths, so a prefill is chunked and runs beside decodes, as on the platform
 BATCH_TOKENS = 256
 # a multimodal model's start profiles one max-size image in one sequence (the adapter since 2f7d5f5: 1,282 tokens of
-# the tiny model's vision tower), and vLLM refuses a budget under that; only such a model pays for the larger chunks
+# the tiny model's vision tower), and vLLM refuses a budget under that: the served server of such a model gets this
+# budget; the comparison servers, whose requests are text, start with no image per prompt and the small budget (the
+# prompts that chunk then stay short: 4x longer prompts through every oracle doubled the suite)
 MULTIMODAL_BATCH_TOKENS = 1536
 # the KV cache the vendor sizes from the emulated card's memory is allocated in this machine's memory (the start's
 # profile run of a MULTIMODAL_BATCH_TOKENS prefill with its image must leave room for it)
@@ -34,11 +36,10 @@ TOKEN_IDS_FLAG = "--return-tokens-as-token-ids"
 TIE_NATS = 1e-3
 
 
-def batch_tokens(model: Path) -> int:
-    """The chunked prefill budget for the checkpoint at `model`: BATCH_TOKENS, or MULTIMODAL_BATCH_TOKENS where its
-    config has a vision tower (vLLM 0.6.3 starts such a model only with room for one image)."""
+def has_vision(model: Path) -> bool:
+    """Whether the checkpoint at `model` has a vision tower (vLLM 0.6.3 then profiles one max-size image at start)."""
     config = json.loads((model / "config.json").read_text(encoding="utf-8"))
-    return MULTIMODAL_BATCH_TOKENS if "vision_config" in config else BATCH_TOKENS
+    return "vision_config" in config
 
 
 @dataclass(frozen=True)

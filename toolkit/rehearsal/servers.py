@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,13 +26,14 @@ from toolkit.rehearsal.model import (
     BATCH_TOKENS,
     COMPARED_DTYPE,
     MAX_MODEL_LEN,
+    MULTIMODAL_BATCH_TOKENS,
     START_TIMEOUT_S,
     SWAP_SPACE_GB,
     TOKEN_IDS_FLAG,
     Check,
     Rehearsal,
     Substitution,
-    batch_tokens,
+    has_vision,
 )
 from toolkit.runtime import standins
 from toolkit.runtime.preflight import Tree, emulated_devices
@@ -52,6 +54,7 @@ class ServerSpec:
     flags: tuple[str, ...] = ()
     tp: int | None = None  # None: the rehearsal's
     substitutions: tuple[Substitution, ...] = ()
+    text_only: bool = False  # its requests are text: a model with a vision tower starts it with no image per prompt
 
     @property
     def label(self) -> str:
@@ -76,13 +79,24 @@ TP1 = Substitution("--tensor-parallel-size (the answers' reference server)", "th
 PATHS_OFF = Substitution("fast paths (the answers' fast-paths-off server)", "as the run config switches them",
                          "off, at TP 1", "the answers must equal the adapter's own code's: a fast path that is wrong "
                          "alike in prefill and decode, at every TP, changes them")
+# what vLLM 0.6.3's registry says of the architectures given (the model module imported as the server imports it)
+MULTIMODAL_SCRIPT = ("import sys\nfrom vllm.model_executor.models import ModelRegistry\n"
+                     "print(ModelRegistry.is_multimodal_model(sys.argv[1:]))")
+# what the comparison servers of a multimodal model change beyond COMPARED
+TEXT_ONLY = Substitution("--limit-mm-per-prompt (comparison servers)", "1 image (vLLM's default)",
+                         f"image=0, and --max-num-batched-tokens {BATCH_TOKENS}",
+                         "their requests are text; the served server starts with the image profile "
+                         f"({MULTIMODAL_BATCH_TOKENS}-token chunks), they with the small chunks the oracles' prompts "
+                         "are chunked by")
 # the one registry of servers, in the order a rehearsal starts them (each once)
 SERVERS = {spec.name: spec for spec in (
     ServerSpec("served"),
-    ServerSpec("cache-on", True, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), substitutions=COMPARED),
-    ServerSpec("cache-off", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), substitutions=COMPARED),
-    ServerSpec("tp1", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), tp=1, substitutions=(*COMPARED, TP1)),
-    ServerSpec("paths-off", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), tp=1, substitutions=(*COMPARED, PATHS_OFF)),
+    ServerSpec("cache-on", True, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), substitutions=COMPARED, text_only=True),
+    ServerSpec("cache-off", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), substitutions=COMPARED, text_only=True),
+    ServerSpec("tp1", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), tp=1, substitutions=(*COMPARED, TP1),
+               text_only=True),
+    ServerSpec("paths-off", False, COMPARED_DTYPE, (TOKEN_IDS_FLAG,), tp=1, substitutions=(*COMPARED, PATHS_OFF),
+               text_only=True),
 )}
 
 
@@ -165,11 +179,30 @@ class Stage:
     say: Say
     rehearsal: Rehearsal
     ready_at: dict[Path, int] = field(default_factory=dict)  # each server log's size when the server was ready
+    multimodal_seen: bool | None = None  # what the tree's vLLM said of the checkpoint's architecture, once asked
 
-    @property
-    def batch_tokens(self) -> int:
-        """The chunked prefill budget every server of this rehearsal gets (the model's: `model.batch_tokens`)."""
-        return batch_tokens(self.model)
+    def multimodal(self) -> bool:
+        """Whether the tree's vLLM serves the checkpoint as a multimodal model (it then profiles an image at start
+        and takes --limit-mm-per-prompt; a config's vision tower alone does not say: the adapter at 5a1c8c7 skips
+        it). Asked of vLLM's own registry in the runtime, with a server's environment, once."""
+        if self.multimodal_seen is None:
+            if not has_vision(self.model):
+                self.multimodal_seen = False
+            else:
+                config = yaml.safe_load((self.model / "config.json").read_text(encoding="utf-8"))
+                _, env = experiment.server_command(self.run_config, self.python, self.model, 0)
+                record = self.rundir / "registry-standins" / "standins.json"
+                record.parent.mkdir(parents=True, exist_ok=True)
+                full_env, _ = server_environment(self, env, record, {}, "registry")
+                proc = subprocess.run([str(self.python), "-c", MULTIMODAL_SCRIPT, *config["architectures"]],
+                                      capture_output=True, text=True, env=full_env, cwd=self.rundir,
+                                      timeout=START_TIMEOUT_S)
+                if proc.returncode != 0 or proc.stdout.strip().splitlines()[-1:] not in (["True"], ["False"]):
+                    raise ToolkitError("the tree's vLLM could not say whether it serves the checkpoint as a "
+                                       f"multimodal model:\n{locate(proc.stderr[-3000:], self.tree)}",
+                                       hint="the same import fails the server's start: rehearse --check start")
+                self.multimodal_seen = proc.stdout.strip().splitlines()[-1] == "True"
+        return self.multimodal_seen
 
     def whole_files(self) -> frozenset[str]:
         """The transforms that put whole files in place (a located frame in them names the deploy)."""
@@ -219,9 +252,13 @@ def start(stage: Stage, spec: ServerSpec, port: int | None = None,
         raise ToolkitError(f"port {port} is already taken on 127.0.0.1: the rehearsal's server cannot listen there",
                            hint="stop what listens there, or leave --port out (a free port is chosen)")
     tp = spec.tp or stage.tp
+    multimodal = stage.multimodal()
+    text_only = spec.text_only and multimodal
     argv, env, subs = server_command(stage.run_config, stage.python, stage.model, port, tp, stage.image,
                                      stage.recipe.vendor.reference_version, auto_chunks(stage.tree),
-                                     stage.batch_tokens)
+                                     MULTIMODAL_BATCH_TOKENS if multimodal and not text_only else BATCH_TOKENS)
+    if text_only:
+        argv = experiment.set_flag(argv, "--limit-mm-per-prompt", "image=0")
     if spec.prefix_caching is False:
         argv = [a for a in argv if a != "--enable-prefix-caching"]
     elif spec.prefix_caching and "--enable-prefix-caching" not in argv:
@@ -239,7 +276,8 @@ def start(stage: Stage, spec: ServerSpec, port: int | None = None,
     full_env, env_subs = server_environment(stage, env, record, extra or {}, spec.name)
     stage.rehearsal.substitute(*env_subs, Substitution(
         "working directory", stage.recipe.serve.workdir or "(the image's)", "the run folder",
-        "a neutral folder with no vllm/ in it (DESIGN 4), where the server's files are kept"), *spec.substitutions)
+        "a neutral folder with no vllm/ in it (DESIGN 4), where the server's files are kept"), *spec.substitutions,
+        *((TEXT_ONLY,) if text_only else ()))
     log = stage.rundir / f"{spec.name}.log"
     served_name = experiment.flag_value(argv, "--served-model-name") or str(stage.model)
     server = Server(argv, full_env, cwd=stage.rundir, log_path=log, url=f"http://127.0.0.1:{port}",

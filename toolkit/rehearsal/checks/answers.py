@@ -76,11 +76,11 @@ ANSWER_TOKENS = 12
 MIN_COMPARED = 16
 
 
-def answer_messages(batch_tokens: int) -> list[tuple[str, list[dict[str, Any]]]]:
+def answer_messages() -> list[tuple[str, list[dict[str, Any]]]]:
     """What the answers are asked: the conversations' first turns (longer than the batch-token budget: a chunked
     prefill) and the multi-system request (one chunk)."""
     firsts = [(c.id, [{"role": "system", "content": c.system or ""}, {"role": "user", "content": c.turns[0].user}])
-              for c in conversations(batch_tokens)]
+              for c in conversations()]
     return [*firsts, ("multi-system", multi_system_messages())]
 
 
@@ -102,7 +102,7 @@ def _tokenized(stage: Stage, live: Live) -> list[Prompt]:
     async def run() -> list[Prompt]:
         async with httpx.AsyncClient(timeout=120) as http:
             return [Prompt(name, tuple(await tokenize(http, live.server.url, live.server.model, messages)))
-                    for name, messages in answer_messages(stage.batch_tokens)]
+                    for name, messages in answer_messages()]
     try:
         return asyncio.run(run())
     except httpx.HTTPError as exc:

@@ -6,26 +6,25 @@ from __future__ import annotations
 from toolkit.bench import client
 from toolkit.bench.metrics import RequestRecord
 from toolkit.rehearsal.checks.base import RehearsalCheck, Run
-from toolkit.rehearsal.model import COMPARED_DTYPE, TIE_NATS, Check
-from toolkit.rehearsal.requests import long_system, problems, send
+from toolkit.rehearsal.model import BATCH_TOKENS, COMPARED_DTYPE, TIE_NATS, Check
+from toolkit.rehearsal.requests import LONG_SYSTEM, problems, send
 from toolkit.rehearsal.servers import Live
 
 NOT_CACHED = "the run config serves without the prefix cache: nothing to compare"
 
 
-def conversations(batch_tokens: int) -> list[client.Conversation]:
+def conversations() -> list[client.Conversation]:
     """Two conversations of three turns, each prompt longer than the batch-token budget (chunked prefill beside
     the other's decodes), the later turns repeating the earlier ones' blocks."""
-    system = long_system(batch_tokens)
     return [client.Conversation(f"conversation-{k}", [
         client.Turn(f"Turn {t} of conversation {k}: what does the cache keep now?") for t in range(3)],
-        system=f"Conversation {k}. {system}") for k in range(2)]
+        system=f"Conversation {k}. {LONG_SYSTEM}") for k in range(2)]
 
 
 def cached_run(run: Run, live: Live) -> list[RequestRecord]:
     """The conversations at concurrency 2 on the cache-on server, sent once for every check that reads them."""
     records: list[RequestRecord] = live.once("cache on, two at a time", lambda: send(
-        run.stage, live.server, conversations(run.stage.batch_tokens), 2, "cache on, two at a time", stream=False))
+        run.stage, live.server, conversations(), 2, "cache on, two at a time", stream=False))
     return records
 
 
@@ -69,13 +68,13 @@ def compare(mine: list[RequestRecord], theirs: list[RequestRecord]) -> tuple[lis
 
 
 def prefix_cache_check(cached: list[RequestRecord], alone: list[RequestRecord],
-                       together: list[RequestRecord], batch_tokens: int) -> Check:
+                       together: list[RequestRecord]) -> Check:
     """The answers with the cache on against those without it, two at a time and one at a time; the cache-off
     servers must have cached nothing."""
     found = [f"{r.conversation} turn {r.turn}: {p}" for r in cached for p in problems(r, False, visible=False)]
-    short = [r for r in cached if r.ok and r.prompt_tokens <= batch_tokens]
+    short = [r for r in cached if r.ok and r.prompt_tokens <= BATCH_TOKENS]
     if short:
-        found.append(f"{len(short)} prompt(s) not longer than the {batch_tokens}-token budget: nothing chunked")
+        found.append(f"{len(short)} prompt(s) not longer than the {BATCH_TOKENS}-token budget: nothing chunked")
     if found:
         return Check("prefix-cache", False, "; ".join(found))
     # the servers compared against are the cache-off ones: one that reports a hit caches with the flag off, and
@@ -95,7 +94,7 @@ def prefix_cache_check(cached: list[RequestRecord], alone: list[RequestRecord],
     said = f" ({'; '.join(noted)})" if noted else ""
     return Check("prefix-cache", not found, "; ".join(found) + said if found else (
         f"{len(cached)} answers (prompts of {min(r.prompt_tokens for r in cached)}-"
-        f"{max(r.prompt_tokens for r in cached)} tokens, chunked by {batch_tokens}, {COMPARED_DTYPE}) at concurrency "
+        f"{max(r.prompt_tokens for r in cached)} tokens, chunked by {BATCH_TOKENS}, {COMPARED_DTYPE}) at concurrency "
         f"2 equal to those without the cache, two at a time and one at a time{said}"))
 
 
@@ -118,11 +117,10 @@ class PrefixCache(RehearsalCheck):
             self.cached = cached_run(self.run, live)
             return
         stage = self.run.stage
-        asked = conversations(stage.batch_tokens)
-        self.alone = send(stage, live.server, asked, 1, "cache off, one at a time", stream=False)
-        self.together = send(stage, live.server, asked, 2, "cache off, two at a time", stream=False)
+        self.alone = send(stage, live.server, conversations(), 1, "cache off, one at a time", stream=False)
+        self.together = send(stage, live.server, conversations(), 2, "cache off, two at a time", stream=False)
 
     def verdict(self) -> Check:
         if self.cached is None or self.alone is None or self.together is None:
             return self.unsent()
-        return prefix_cache_check(self.cached, self.alone, self.together, self.run.stage.batch_tokens)
+        return prefix_cache_check(self.cached, self.alone, self.together)
