@@ -4,6 +4,7 @@ model need, and the comparison servers' changes; each one started, read and stop
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -33,7 +34,6 @@ from toolkit.rehearsal.model import (
     Check,
     Rehearsal,
     Substitution,
-    has_vision,
 )
 from toolkit.runtime import standins
 from toolkit.runtime.preflight import Tree, emulated_devices
@@ -186,10 +186,10 @@ class Stage:
         and takes --limit-mm-per-prompt; a config's vision tower alone does not say: the adapter at 5a1c8c7 skips
         it). Asked of vLLM's own registry in the runtime, with a server's environment, once."""
         if self.multimodal_seen is None:
-            if not has_vision(self.model):
+            config = json.loads((self.model / "config.json").read_text(encoding="utf-8"))
+            if "vision_config" not in config:  # no tower: nothing to profile, whatever the class says
                 self.multimodal_seen = False
             else:
-                config = yaml.safe_load((self.model / "config.json").read_text(encoding="utf-8"))
                 _, env = experiment.server_command(self.run_config, self.python, self.model, 0)
                 record = self.rundir / "registry-standins" / "standins.json"
                 record.parent.mkdir(parents=True, exist_ok=True)

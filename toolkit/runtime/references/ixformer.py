@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .xformers import BlockDiagonalMask
+
 # -- activations ------------------------------------------------------------------------------------------------
 
 
@@ -139,17 +141,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 # -- the xformers backend's prefill ------------------------------------------------------------------------------
 
-class BlockDiagonalCausalMask:
+class BlockDiagonalCausalMask(BlockDiagonalMask):
     """Causal attention inside each of the concatenated sequences, none across them (xformers' mask, built by
     `from_seqlens`)."""
-
-    def __init__(self, q_seqlens: Sequence[int], kv_seqlens: Sequence[int] | None = None) -> None:
-        self.q_seqlens = [int(n) for n in q_seqlens]
-        self.kv_seqlens = [int(n) for n in (kv_seqlens if kv_seqlens is not None else q_seqlens)]
-
-    @classmethod
-    def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqlen: Sequence[int] | None = None) -> BlockDiagonalCausalMask:
-        return cls(q_seqlen, kv_seqlen)
 
     def make_local_attention(self, window_size: int) -> Any:
         raise NotImplementedError("the ixformer reference has no sliding-window mask (no served model uses one)")

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 
 class BlockDiagonalMask:
-    """Full attention inside each of the concatenated sequences, none across them."""
+    """Full attention inside each of the concatenated sequences, none across them (ixformer's causal mask is this
+    one, causal inside each)."""
 
     def __init__(self, q_seqlens: Sequence[int], kv_seqlens: Sequence[int] | None = None) -> None:
         self.q_seqlens = [int(n) for n in q_seqlens]
