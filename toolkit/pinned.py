@@ -19,7 +19,7 @@ import git
 from toolkit.errors import InputError
 from toolkit.inputs import COMPLETE, cache_dir, cached_tree
 from toolkit.recipe import Recipe, Source
-from toolkit.transforms.deploy import Deploy
+from toolkit.transforms.deploy import Deploy, lf_digest
 
 SOURCE_INFO = ".toolkit-source.json"  # beside the exported files: what was exported, from where, with digests
 
@@ -63,7 +63,8 @@ def export_source(source: Source, checkout: Path, commit: str, paths: list[str])
     recipe does not use never reach a submission. `@name/path` is relative to the source's subdir.
     """
     commit = resolve_commit(source.name, checkout, commit)
-    key = hashlib.sha256(json.dumps([source.subdir, paths]).encode()).hexdigest()[:12]
+    # "binary-as-is": the digests' form (a binary's digest is of its bytes); a tree recorded before it is not reused
+    key = hashlib.sha256(json.dumps([source.subdir, paths, "binary-as-is"]).encode()).hexdigest()[:12]
     target = cache_dir() / "sources" / f"{source.name}-{commit}-{key}"
 
     def build(tree: Path, scratch: Path) -> None:
@@ -84,7 +85,7 @@ def export_source(source: Source, checkout: Path, commit: str, paths: list[str])
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_bytes(data)
                 os.chmod(out, 0o755 if blob.mode & 0o111 else 0o644)
-                digests[path] = hashlib.sha256(data.replace(b"\r\n", b"\n")).hexdigest()  # as the lock records
+                digests[path] = lf_digest(data)  # as the lock records
         info = {"name": source.name, "git": source.git, "commit": commit, "subdir": source.subdir,
                 "files": dict(sorted(digests.items()))}
         (tree / SOURCE_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")

@@ -23,6 +23,7 @@ from toolkit.results import Origin
 from toolkit.transforms import KINDS
 from toolkit.transforms.base import TransformBase
 from toolkit.transforms.deploy import Deploy
+from toolkit.transforms.kernels import Kernels
 from toolkit.yamlpos import Located, YamlLoadError, load
 
 
@@ -41,6 +42,10 @@ class Hardware(Strict):
         default=None, description="Dense peak per dtype (bfloat16, float16, float32), TFLOP/s per card")
     link_gbs: float | None = Field(default=None, gt=0, description="Bandwidth between cards, each way, GB/s "
                                    "(PCIe 4.0 x16: 32)")
+    device_arch: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="The device architecture prebuilt kernels must be built for (the BI-V100's ivcore10): a "
+        "kernels transform for another one is GATED_OFF")
 
 
 class GpuLibrary(Strict):
@@ -459,6 +464,14 @@ class Recipe(Strict):
     def attention_backend(self) -> str:
         """The backend the server is expected to run: the one its env forces, else the image's default."""
         return str(self.env.get("VLLM_ATTENTION_BACKEND") or self.base_image.attention_backends[0])
+
+    def kernels(self) -> list[Kernels]:
+        """The kernels transforms the target applies (built for its hardware.device_arch)."""
+        return [t for t in self.transforms if isinstance(t, Kernels) and t.architecture == self.hardware.device_arch]
+
+    def kernel_modules(self) -> list[str]:
+        """The dotted names the tree imports the target's prebuilt kernels by (the CPU runtime stands them in)."""
+        return [name for t in self.kernels() for name in t.import_names()]
 
     def for_package(self, name: str) -> list[TransformBase]:
         return [t for t in self.transforms if self.package_of(t) == name]

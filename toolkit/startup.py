@@ -16,6 +16,7 @@ from pathlib import Path
 from toolkit.recipe import Recipe
 from toolkit.transforms.deploy import Deploy
 from toolkit.transforms.dict_entries import DictEntries
+from toolkit.transforms.kernels import Kernels
 
 REGISTRY = "vllm/model_executor/models/registry.py"
 CLI_MODULES = ("vllm/entrypoints/openai/cli_args.py", "vllm/engine/arg_utils.py")
@@ -115,8 +116,8 @@ def architectures(root: Path, recipe: Recipe) -> Iterator[Check]:
 
 def deployed_modules(root: Path, recipe: Recipe) -> Iterator[Check]:
     for t in recipe.for_package(recipe.vendor.package):
-        if not isinstance(t, Deploy) or t.dest.startswith("/"):
-            continue
+        if not isinstance(t, Deploy) or isinstance(t, Kernels) or t.dest.startswith("/"):
+            continue  # a prebuilt kernel is not Python: nothing to compile
         dest = root / t.dest
         files = [dest] if dest.is_file() else sorted(dest.rglob("*.py")) if dest.is_dir() else []
         for path in (p for p in files if p.suffix == ".py"):

@@ -23,7 +23,7 @@ from toolkit.inputs import cache_dir, cached_tree, fetch_reference, package_root
 from toolkit.pyenv import build_key
 from toolkit.recipe import LoadedRecipe, Recipe
 from toolkit.results import Result, State
-from toolkit.transforms.base import ModuleEdit
+from toolkit.transforms.base import ModuleEdit, TransformBase
 from toolkit.transforms.deploy import Deploy
 
 PLAIN = "plain"  # marks a cached tree where the documented vendor edits did not apply to the release
@@ -75,16 +75,16 @@ def untried_here(recipe: Recipe, pinned: dict[str, Path]) -> dict[str, str]:
     """Transforms that need a pinned source with no local copy: deploys from it, edits of what they deploy, and
     transforms that require any of those."""
     out: dict[str, str] = {}
-    missing_dests: list[tuple[str, str]] = []
+    missing: list[TransformBase] = []
     for t in recipe.transforms:
         if t.pinned is not None and t.pinned not in pinned:
             out[t.id] = f"deploys from source {t.pinned}, which the image build fetches"
-            missing_dests.append((t.target_label, t.pinned))
+            missing.append(t)
     for t in recipe.transforms:
         if isinstance(t, ModuleEdit):
-            for dest, tree in missing_dests:
-                if PurePosixPath(t.file) == PurePosixPath(dest) or PurePosixPath(dest) in PurePosixPath(t.file).parents:
-                    out[t.id] = f"edits {t.file}, deployed from source {tree}, which the image build fetches"
+            for d in missing:
+                if isinstance(d, Deploy) and d.covers(str(PurePosixPath(t.file))):
+                    out[t.id] = f"edits {t.file}, deployed from source {d.pinned}, which the image build fetches"
     changed = True
     while changed:
         changed = False

@@ -23,7 +23,7 @@ from toolkit.results import Result, State
 from toolkit.transforms import edit_kind, file_kind
 from toolkit.transforms.base import Context, EditKind, FileKind, ModuleEdit, TransformBase
 from toolkit.transforms.deploy import Deploy, DeployKind
-from toolkit.transforms.files import FileOp, FilePlan, sha256
+from toolkit.transforms.files import FileOp, FilePlan, is_binary, sha256
 
 ROOTFS_LABEL = "/"
 
@@ -97,7 +97,7 @@ class Engine:
         self.roots = roots
         self.rootfs = rootfs
         self.check_version = check_version
-        self.ctx = Context(loaded.patches_folder(), dict(pinned or {}))
+        self.ctx = Context(loaded.patches_folder(), dict(pinned or {}), self.recipe.hardware.device_arch)
         self.index = {t.id: i for i, t in enumerate(self.recipe.transforms)}
         self.transforms = self.recipe.for_package(self.package)
         active = [t for t in self.transforms if t.id not in skip]
@@ -318,8 +318,8 @@ class Engine:
                         owned_out[label][rel] = digest
                 for op in fp.ops:
                     if op.content is not None:
-                        before = op.path.read_bytes().decode("utf-8", "replace") if op.path.is_file() else ""
-                        after = op.content.decode("utf-8", "replace")
+                        before = _shown(op.path.read_bytes()) if op.path.is_file() else ""
+                        after = _shown(op.content)
                         self.plan.steps.append(Step(tid, label, shown, before, after))
                     elif op.link is not None:
                         self.plan.steps.append(Step(tid, label, shown, "", f"symlink -> {op.link}\n"))
@@ -376,6 +376,13 @@ class Engine:
             path = root.path / STATE_FILE
             if not path.is_file() or path.read_bytes() != data:
                 self.plan.ops.append(FileOp(path, content=data))
+
+
+def _shown(data: bytes) -> str:
+    """A file's content as a diff shows it: text as text, a binary (a prebuilt kernel) as its size and digest."""
+    if is_binary(data):
+        return f"<binary, {len(data)} bytes, sha256 {sha256(data)}>\n"
+    return data.decode("utf-8", "replace")
 
 
 def run_packages(engines: list[Engine]) -> Plan:

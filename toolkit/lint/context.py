@@ -155,7 +155,7 @@ class LintContext:
             if not isinstance(t, Deploy) or t.dest.startswith("/"):
                 continue
             dest = t.dest.rstrip("/")
-            if rel != dest and not rel.startswith(dest + "/"):
+            if not t.covers(rel):
                 continue
             if t.pinned is None:
                 base = self.loaded.patches_dir / t.source

@@ -164,9 +164,12 @@ def import_location(package: str, workdir: str) -> str:
 def verify(loaded: LoadedRecipe, roots: list[Root], rootfs: Path, pinned: dict[str, Path],
            package: str | None = None) -> bool:
     report = verify_tree(loaded, roots, rootfs, pinned, package=package)
+    kernels = {t.id for t in loaded.recipe.kernels()}
     for r in report.results:
         if r.state.ok:
-            say(True, f"verify {r.transform} {r.root} {r.state.value}")
+            # a prebuilt kernel's digests are the only record of which binary the image runs
+            said = f": {' '.join(r.message.split())}" if r.transform in kernels else ""
+            say(True, f"verify {r.transform} {r.root} {r.state.value}{said}")
         else:
             say(False, f"verify {r.transform} {r.root}: {' '.join(r.message.split())}")
     for f in report.findings:

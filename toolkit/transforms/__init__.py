@@ -15,6 +15,7 @@ from toolkit.transforms import (
     deploy,
     dict_entries,
     dispatch,
+    kernels,
     probe,
     replace_body,
     set_kwarg,

@@ -104,6 +104,7 @@ class Context:
 
     patches_dir: Path
     pinned: dict[str, Path] = field(default_factory=dict)  # declared sources available here, at their commit
+    device_arch: str | None = None  # the target's (hardware.device_arch): prebuilt kernels apply only for it
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,12 @@ class Deploy(TransformBase):
     def patch_paths(self) -> list[str]:
         return [] if self.pinned is not None else [self.source]  # a declared source's files travel on their own
 
+    def covers(self, rel: str) -> bool:
+        """Whether what is at `rel` (relative to a root, or absolute in the image) is this deploy's: its file, or a
+        file under its folder."""
+        dest = self.dest.rstrip("/")
+        return rel == dest or rel.startswith(dest + "/")
+
     @property
     def pinned_path(self) -> str:
         return self.source[1:].partition("/")[2] if self.source.startswith("@") else self.source
@@ -95,8 +101,9 @@ def as_deployed(data: bytes) -> bytes:
 
 
 def lf_digest(data: bytes) -> str:
-    """The digest a replacement contract compares: line endings normalised to LF, as the lock records them."""
-    return sha256(data.replace(b"\r\n", b"\n"))
+    """The digest a replacement contract and a source's lock compare: a text's with line endings normalised to LF,
+    a binary's (a prebuilt kernel) of its bytes, so the lock shows the digest its manifest does."""
+    return sha256(as_deployed(data))
 
 
 class DeployKind:
