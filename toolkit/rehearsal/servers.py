@@ -335,7 +335,8 @@ def server_environment(stage: Stage, env: dict[str, str], record: Path, extra: d
         put(key, value, why)
     devices = dict(emulated_devices(stage.recipe), memory_gb=stage.memory_gb)
     runtime = standins.environment(cache_dir() / "runtime", stage.recipe.base_image.gpu_library_names,
-                                   stage.tree.paths, stage.recipe.base_image.absent_modules, devices, cpu_device=True)
+                                   stage.tree.paths, stage.recipe.base_image.absent_modules, devices, cpu_device=True,
+                                   kernels=stage.recipe.kernel_modules())
     given = env.get("PYTHONPATH")
     if given:
         kept = [str(stage.image / item.lstrip("/")) if stage.image is not None and item.startswith("/")

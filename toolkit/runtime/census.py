@@ -78,6 +78,10 @@ class Tally:
     def flops(self) -> float:
         return sum(entry[1] for entry in self.ops.values())
 
+    @property
+    def nbytes(self) -> float:
+        return sum(entry[2] for entry in self.ops.values())
+
     def rows(self) -> list[list[Any]]:
         return [[*key, int(calls), flops, nbytes] for key, (calls, flops, nbytes) in sorted(self.ops.items())]
 
@@ -160,7 +164,12 @@ class Census:
         if name in COLLECTIVES:  # priced by the buffer it moves over the link
             self.tallies[-1].add(self.where(), name, dtype, "collective", shapes, 0.0, _largest(tensors))
         else:
-            self.tallies[-1].add(self.where(), name, dtype, "vendor", shapes, inner.flops, _bytes(tensors))
+            nbytes = _bytes(tensors)
+            if any(name.startswith(kernel + ".") for kernel in _standins().RECORD.get("kernels", ())):
+                # a prebuilt kernel is handed whole weight stacks and caches it reads a few rows of (the selected
+                # experts, a sequence's blocks): it moves at most what its reference's own operations move
+                nbytes = min(nbytes, inner.nbytes)
+            self.tallies[-1].add(self.where(), name, dtype, "vendor", shapes, inner.flops, nbytes)
         return out
 
 

@@ -348,7 +348,8 @@ def _run_stages(python: Path, tree: Tree, request: dict[str, Any], loaded: Loade
            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1",
            **standins.environment(cache_dir() / "runtime", recipe.base_image.gpu_library_names, tree.paths,
-                                  recipe.base_image.absent_modules, emulated_devices(recipe))}
+                                  recipe.base_image.absent_modules, emulated_devices(recipe),
+                                  kernels=recipe.kernel_modules())}
     proc = subprocess.run(script(python, STAGES), input=json.dumps(request), capture_output=True, text=True,
                           env=env, timeout=600)
     if proc.returncode != 0:

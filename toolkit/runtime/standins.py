@@ -31,6 +31,9 @@ from typing import Any
 
 ENV = "TOOLKIT_GPU_STANDINS"  # the libraries to stand in, comma-separated
 ABSENT_ENV = "TOOLKIT_GPU_ABSENT"  # submodules of them the image lacks (they fail to import), comma-separated
+# prebuilt device kernels the tree imports (kind kernels: vllm.corex_gdn_causal_conv, ...), comma-separated: their
+# files in the tree are device binaries that cannot load here, so these stand-ins are asked before the tree is
+KERNELS_ENV = "TOOLKIT_DEVICE_KERNELS"
 DEVICES_ENV = "TOOLKIT_EMULATED_DEVICES"  # JSON {"count", "memory_gb", "capability": [major, minor]}
 CPU_DEVICE_ENV = "TOOLKIT_CPU_DEVICE"  # read by toolkit_cpu_device alone
 RECORD_ENV = "TOOLKIT_GPU_STANDINS_RECORD"  # a file the record is written to at exit (JSON)
@@ -117,10 +120,15 @@ class _StandInMeta(type):
         reference = _reference(name)
         if reference is not None:
             RECORD["calls"].append({"name": name, "where": where, "mapped": f"reference {name}"})
+            out = _caller(name, reference, args, kwargs)
+            # counted once it computed: a call its reference refused (a kernel's check) is not one that ran
             RECORD["computed"][name] = RECORD["computed"].get(name, 0) + 1
-            return _caller(name, reference, args, kwargs)
+            return out
         RECORD["calls"].append({"name": name, "where": where, "mapped": None})
         library = next((n for n in RECORD["libraries"] if name == n or name.startswith(n + ".")), name.split(".")[0])
+        if library in RECORD.get("kernels", ()):
+            raise StandInCalled(f"{name} called from {where}: {library} is a prebuilt device kernel (kind kernels) "
+                                "with no CPU reference of this function (toolkit/runtime/references)")
         raise StandInCalled(f"{name} called from {where}: {library} is a GPU library of the image, stood in on this "
                             f"CPU (base_image.gpu_libraries); this code path runs only on the image")
 
@@ -180,16 +188,21 @@ class _Finder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
 
 
-def install(libraries: Sequence[str], absent: Sequence[str] = ()) -> None:
-    """Stand in for these top-level libraries where nothing installed provides them, except the absent submodules
-    (idempotent)."""
+def install(libraries: Sequence[str], absent: Sequence[str] = (), kernels: Sequence[str] = ()) -> None:
+    """Stand in for these top-level libraries where nothing installed provides them, except the absent submodules,
+    and for these prebuilt kernel modules whatever the tree holds (idempotent)."""
     names = [n.strip() for n in libraries if n.strip()]
-    if not names or any(isinstance(f, _Finder) for f in sys.meta_path):
+    device = [n.strip() for n in kernels if n.strip()]
+    if not (names or device) or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
-    RECORD["libraries"] = names
+    RECORD["libraries"] = names + device
+    RECORD["kernels"] = device
     RECORD["absent"] = [n.strip() for n in absent if n.strip()]
     _StandInModule.absent = frozenset(RECORD["absent"])
-    sys.meta_path.append(_Finder(names, RECORD["absent"]))
+    if names:
+        sys.meta_path.append(_Finder(names, RECORD["absent"]))
+    if device:
+        sys.meta_path.insert(0, _Finder(device))
     _record_at_exit()
 
 
@@ -411,11 +424,12 @@ each step runs (see toolkit_census)."""
 import json
 import os
 
-if os.environ.get("TOOLKIT_GPU_STANDINS"):
+if os.environ.get("TOOLKIT_GPU_STANDINS") or os.environ.get("TOOLKIT_DEVICE_KERNELS"):
     import toolkit_standins
 
-    toolkit_standins.install(os.environ["TOOLKIT_GPU_STANDINS"].split(","),
-                             os.environ.get("TOOLKIT_GPU_ABSENT", "").split(","))
+    toolkit_standins.install(os.environ.get("TOOLKIT_GPU_STANDINS", "").split(","),
+                             os.environ.get("TOOLKIT_GPU_ABSENT", "").split(","),
+                             os.environ.get("TOOLKIT_DEVICE_KERNELS", "").split(","))
 DEVICES = json.loads(os.environ["TOOLKIT_EMULATED_DEVICES"]) if os.environ.get("TOOLKIT_EMULATED_DEVICES") else None
 if DEVICES is not None:
     import toolkit_standins
@@ -469,12 +483,13 @@ def site_dir(cache: Path) -> Path:
 
 
 def environment(cache: Path, libraries: Sequence[str], paths: Sequence[Path], absent: Sequence[str] = (),
-                devices: dict[str, Any] | None = None, cpu_device: bool = False) -> dict[str, str]:
+                devices: dict[str, Any] | None = None, cpu_device: bool = False,
+                kernels: Sequence[str] = ()) -> dict[str, str]:
     """PYTHONPATH (the stand-ins' folder, then `paths`) and the variables that turn the stand-ins (the device
     emulation, and with `cpu_device` the GPU path on CPU tensors) on: inherited by every child process, whose
     sitecustomize applies the same."""
     env = {"PYTHONPATH": os.pathsep.join([str(site_dir(cache)), *map(str, paths)]), ENV: ",".join(libraries),
-           ABSENT_ENV: ",".join(absent)}
+           ABSENT_ENV: ",".join(absent), KERNELS_ENV: ",".join(kernels)}
     if devices is not None:
         env[DEVICES_ENV] = json.dumps(devices)
     if cpu_device:
