@@ -100,6 +100,20 @@ CASES: list[tuple[str, Severity, Callable[[dict[str, Any]], None], Callable[[dic
         "after", "self.attn_state.begin_forward(model_input)"), lambda d: None),
     ("deploy-needs-arg", Severity.ERROR, set_args(disable_frontend_multiprocessing=None),
      set_args(disable_frontend_multiprocessing=True)),
+    # the kernels built for ivcore10 on a target of another architecture: every switched-on one has no artefact
+    ("kernel-artefact", Severity.ERROR, lambda d: d["hardware"].__setitem__("device_arch", "ivcore11"),
+     both(lambda d: d["hardware"].__setitem__("device_arch", "ivcore11"),
+          set_env(**{m["switch"]: "0" for t in BASE["transforms"] if t["id"] == "adapter-corex-kernels"
+                     for m in t["modules"]}))),
+    # a conv of 3 taps: the causal conv kernel (4 taps, no call-site check) raises on every decode
+    ("kernel-guard", Severity.ERROR, lambda d: d["model"]["linear_attention"].__setitem__("conv_kernel", 3),
+     both(lambda d: d["model"]["linear_attention"].__setitem__("conv_kernel", 3),
+          set_env(BI100_GDN_COREX_CAUSAL_CONV="0"))),
+    # served in bf16, the float16 kernels are never used: said, not refused
+    ("kernel-guard", Severity.WARNING, set_args(dtype=None), set_args(dtype="half")),
+    ("operation-owner", Severity.ERROR, set_env(MOE_NATIVE="1"),
+     set_env(MOE_NATIVE="1", BI100_MOE_COREX_EXACT_REDUCE="0", BI100_MOE_COREX_WEIGHT_GATHER="0",
+             BI100_MOE_COREX_DIRECT_ROUTED="0")),
 ]
 
 
@@ -146,6 +160,22 @@ def test_switch_values_are_refused_as_the_server_refuses_them(tmp_path: Path, sw
     assert lint(loaded).errors == 0
     odd = lint(loaded, find_variant(loaded.recipe, "odd").apply(loaded.recipe), variant="odd")
     assert [i.rule for i in odd.issues if i.severity is Severity.ERROR] == ["switch-value"]
+
+
+def test_two_owners_of_one_operation_are_named_with_their_switches(tmp_path: Path) -> None:
+    [issue] = issues_of(write(tmp_path, set_env(RMSNORM_NATIVE="1")), "operation-owner")
+    assert issue.severity is Severity.ERROR and issue.message.startswith("operation gdn.gated-norm has 2 owners")
+    assert "transform rmsnorm-native (gdn.gated-norm, RMSNORM_NATIVE on)" in issue.message
+    assert "kernel corex_gdn_gated_norm (gdn.gated-norm.decode, BI100_GDN_COREX_GATED_NORM on)" in issue.message
+    assert issue.fix == 'switch one off (e.g. RMSNORM_NATIVE: "0" to keep the kernels)'
+    # the adapter's own cascade (the packed decode step, its beta/decay and q/k parts) is not two owners
+    assert issues_of(write(tmp_path, set_env(CHUNK_PARALLEL="1")), "operation-owner") == []
+
+
+def test_a_kernel_switch_the_adapter_does_not_read_is_refused(tmp_path: Path) -> None:
+    [issue] = issues_of(write(tmp_path, set_env(BI100_GDN_COREX_QK_MAP="TRUE")), "switch-value")
+    assert issue.severity is Severity.ERROR and issue.line is not None
+    assert issue.message.startswith("env BI100_GDN_COREX_QK_MAP='TRUE': the adapter's env_bool raises on it")
 
 
 def test_every_rule_has_a_case() -> None:
@@ -299,8 +329,10 @@ def test_variants_drop_impossible_combinations(cli) -> None:
     result = cli("variants", FLAGSHIP, "--json")
     assert result.code == 0
     variants = {v["name"]: v for v in result.json()["variants"]}
-    assert len(variants) == 1 + 3 + 2 * 4 * 2 * 2
+    assert len(variants) == 1 + 4 + 2 * 4 * 2 * 2
     assert variants["base"]["status"] == "ok" and variants["no-sdpa-fallback"]["status"] == "ok"
+    # the two other owners of the kernels' operations lint clean too (one owner per operation)
+    assert variants["native-paths"]["status"] == "ok" and variants["adapter-paths"]["status"] == "ok"
     assert variants["kv-legacy40"]["status"] == "ok"
     dropped = {n for n, v in variants.items() if v["status"] == "DROPPED"}
     assert dropped == {n for n in variants if "_ecp-false_" in n}

@@ -25,6 +25,7 @@ from toolkit.results import Issue, Severity
 from toolkit.transforms.base import ModuleEdit
 from toolkit.transforms.deploy import Deploy
 from toolkit.transforms.dispatch import load_switch_reader
+from toolkit.transforms.kernels import SWITCH_VALUES, KernelModule, Kernels, served_dtype
 
 E, W, INFO = Severity.ERROR, Severity.WARNING, Severity.INFO
 MULTI_STEP_BACKENDS = {"FLASH_ATTN", "ROCM_FLASH", "FLASHINFER"}
@@ -287,6 +288,7 @@ def unknown_flags(ctx: LintContext) -> Iterator[Issue]:
 @rule("env-unread", W, "env switches that no transform or deployed file reads")
 def env_unread(ctx: LintContext) -> Iterator[Issue]:
     switches = {getattr(t, "switch", "") for t in ctx.recipe.transforms}
+    switches |= {m.switch for _, t in _kernels(ctx) for m in t.modules}  # the adapter reads them (the kernels say so)
     texts = [text for _, text in python_files(ctx.deployed_paths)]
     for name in ctx.recipe.env:
         if name in switches or any(fnmatch.fnmatch(name, p) for p in WELL_KNOWN_ENV):
@@ -319,6 +321,13 @@ def switch_value(ctx: LintContext) -> Iterator[Issue]:
                             "it at the first read: the server would not start)",
                             f"set {name} to {module.allowed(name)} ({reader.with_name('switches.json')})",
                             ctx.origin_of_env(name))
+    for _, t in _kernels(ctx):
+        for m in t.modules:
+            raw = ctx.recipe.env.get(m.switch)
+            if raw is not None and raw not in SWITCH_VALUES:
+                yield Issue("switch-value", E, f"env {m.switch}={raw!r}: the adapter's env_bool raises on it at "
+                            f"import ({m.name}'s switch, transform {t.id}): the server would not start",
+                            f"set {m.switch} to one of {', '.join(SWITCH_VALUES)}", ctx.origin_of_env(m.switch))
 
 
 @rule("provenance", W, "transforms whose provenance is a placeholder, or whose remove_when now holds")
@@ -456,7 +465,7 @@ def _endpoint_sources(ctx: LintContext) -> Iterator[tuple[int, Deploy, Path | No
     source is not found here)."""
     for index, t in enumerate(ctx.recipe.transforms):
         dest = t.dest.rstrip("/") + "/" if isinstance(t, Deploy) else ""
-        if isinstance(t, Deploy) and not dest.startswith("/") and (
+        if isinstance(t, Deploy) and not isinstance(t, Kernels) and not dest.startswith("/") and (
                 dest.startswith(engine_client.ENDPOINTS) or engine_client.ENDPOINTS.startswith(dest)):
             source, _ = ctx.deployed_file(t.dest.rstrip("/"))
             yield index, t, source
@@ -531,3 +540,113 @@ def deploy_needs_arg(ctx: LintContext) -> Iterator[Issue]:
                 yield Issue("deploy-needs-arg", E, f"transform {t.id} deploys {t.dest}, which needs --{flag}: {why}",
                             f"pass it (serve.args: {flag}: true)", ctx.origin_of_arg(flag)
                             if flag in ctx.args else ctx.loaded.origin("transforms", index, "needs_args"))
+
+
+def _kernels(ctx: LintContext) -> list[tuple[int, Kernels]]:
+    return [(i, t) for i, t in enumerate(ctx.recipe.transforms) if isinstance(t, Kernels)]
+
+
+def _on(ctx: LintContext, module: KernelModule) -> bool:
+    """Whether the adapter uses the module under the recipe's env (a value it refuses is switch-value's error)."""
+    value = ctx.recipe.env.get(module.switch)
+    return (value is None or value in SWITCH_VALUES) and module.on(ctx.recipe.env)
+
+
+def _installed_kernels(ctx: LintContext) -> list[tuple[int, Kernels]]:
+    """The kernels transforms the target applies (its device architecture's)."""
+    applied = ctx.recipe.kernels()
+    return [(i, t) for i, t in _kernels(ctx) if t in applied]
+
+
+@rule("kernel-artefact", E, "a prebuilt kernel switched on with no artefact for the target's device architecture")
+def kernel_artefact(ctx: LintContext) -> Iterator[Issue]:
+    arch = ctx.recipe.hardware.device_arch
+    installed = {m.name for _, t in _installed_kernels(ctx) for m in t.modules}
+    reported: set[str] = set()
+    for index, t in _kernels(ctx):
+        for m in t.modules:
+            if m.name in installed or m.name in reported or not _on(ctx, m):
+                continue
+            reported.add(m.name)
+            value = ctx.recipe.env.get(m.switch, f"unset: default {m.default}")
+            target = arch or "hardware.device_arch is not set"
+            fix = f"set {m.switch}: \"0\", or declare a kernels transform built for {arch}" if arch else \
+                "set hardware.device_arch"
+            yield Issue("kernel-artefact", E, f"{m.switch} is on ({value}), but no artefact of {m.name} is installed "
+                        f"for the target's device architecture ({target}; transform {t.id} has {t.architecture}'s): "
+                        "the import fails on the image and the adapter's PyTorch path runs instead", fix,
+                        ctx.origin_of_env(m.switch) if m.switch in ctx.recipe.env
+                        else ctx.loaded.origin("transforms", index, "modules"))
+
+
+def _kernel_model(ctx: LintContext) -> tuple[dict[str, object], int, str] | None:
+    """The served model's (text) config, TP and dtype, as the kernels' guards read them (None: not known here)."""
+    from toolkit.errors import ToolkitError
+    from toolkit.runtime.tiny_model import wide_config
+
+    if ctx.recipe.model is None:
+        return None
+    try:
+        config, _ = wide_config(ctx.recipe.model)
+    except ToolkitError:
+        return None
+    text = config.get("text_config", config)
+    return text, ctx.int_arg("tensor-parallel-size", 1) or 1, served_dtype(ctx.arg("dtype"), ctx.recipe.model.dtype)
+
+
+@rule("kernel-guard", E, "a switched-on prebuilt kernel the served model never reaches, or that refuses it")
+def kernel_guard(ctx: LintContext) -> Iterator[Issue]:
+    model = _kernel_model(ctx) if _installed_kernels(ctx) else None
+    if model is None:
+        return
+    config, tp, dtype = model
+    served = f"{dtype} at TP {tp}"
+    for index, t in _installed_kernels(ctx):
+        origin = ctx.loaded.origin("transforms", index, "modules")
+        for m in t.modules:
+            if not _on(ctx, m):
+                continue
+            if refused := m.unmet(config, tp, dtype, "needs"):
+                yield Issue("kernel-guard", E, f"{m.name} ({m.switch} on) refuses the served model ({served}): it "
+                            f"needs {', '.join(refused)}, and its call site does not check it: every call raises and "
+                            "the engine stops", f"set {m.switch}: \"0\", or serve what it needs (serve.args.dtype)",
+                            ctx.origin_of_env(m.switch) if m.switch in ctx.recipe.env else origin)
+            elif unmet := m.unmet(config, tp, dtype):
+                yield Issue("kernel-guard", W, f"{m.name} ({m.switch} on) is never used by the served model "
+                            f"({served}): its call site needs {', '.join(unmet)}; the adapter's PyTorch path runs",
+                            f"set {m.switch}: \"0\" to say so, or serve what it needs", origin)
+
+
+@rule("operation-owner", E, "two paths switched on for one operation (a native fast path and a prebuilt kernel)")
+def operation_owner(ctx: LintContext) -> Iterator[Issue]:
+    from toolkit.transforms.dispatch import Dispatch
+
+    defaults: dict[str, str] = {}
+    for _, module, _ in switch_readers(ctx.deployed_paths):
+        if module is not None:
+            defaults.update({k: str(v.get("default", "")) for k, v in module.TABLE.items()})
+    owners: dict[str, list[tuple[str, str]]] = {}  # operation -> (who, its switch)
+    for t in ctx.recipe.transforms:
+        if isinstance(t, Dispatch) and t.operation is not None:
+            value = str(ctx.recipe.env.get(t.switch, t.default if t.default is not None else defaults.get(t.switch)))
+            if value == "1":
+                owners.setdefault(t.operation, []).append((f"transform {t.id}", t.switch))
+    for _, t in _installed_kernels(ctx):
+        for m in t.modules:
+            if _on(ctx, m):
+                owners.setdefault(m.operation, []).append((f"kernel {m.name}", m.switch))
+    for operation, who in sorted(owners.items()):
+        if not any(w.startswith("transform ") for w, _ in who):
+            continue
+        # a native path owns its operation and every part of it (moe.routed-experts covers
+        # moe.routed-experts.reduce); kernels among themselves are the adapter's own cascade (the packed decode step
+        # where its guard holds, its parts elsewhere), not two owners
+        inside = [(w, s, op) for op, rest in owners.items() if op == operation or op.startswith(operation + ".")
+                  for w, s in rest]
+        if len(inside) < 2:
+            continue
+        native = next(s for w, s, _ in inside if w.startswith("transform "))
+        named = "; ".join(f"{w} ({op}, {s} on)" for w, s, op in inside)
+        yield Issue("operation-owner", E, f"operation {operation} has {len(inside)} owners switched on: {named}: "
+                    "one silently takes it from the other, and which one a measurement measured is not said",
+                    f"switch one off (e.g. {native}: \"0\" to keep the kernels)", ctx.origin_of_env(native))

@@ -43,8 +43,12 @@ class Dispatch(ModuleEdit):
         default=False, description="A fix the served code needs on the image (a kernel it lacks, an op it computes "
         "wrong, a state vLLM does not keep), not another implementation of the same math: the rehearsal's "
         "fast-paths-off reference keeps it on")
+    operation: str | None = Field(
+        default=None, pattern=r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$",
+        description="The operation the injected path owns when switched on (e.g. moe.routed-experts); a variant "
+        "that also switches on a prebuilt kernel of that operation (kind kernels) is a lint error")
     # what it says of the injected code, not the code written: a dispatch's digest (and marker) does not change with it
-    provenance_fields: ClassVar[frozenset[str]] = ModuleEdit.provenance_fields | {"fix"}
+    provenance_fields: ClassVar[frozenset[str]] = ModuleEdit.provenance_fields | {"fix", "operation"}
     anchors_whole_scope: ClassVar[bool] = True  # the function it bypasses when switched on
 
 
