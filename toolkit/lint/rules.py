@@ -323,9 +323,9 @@ def switch_value(ctx: LintContext) -> Iterator[Issue]:
                             ctx.origin_of_env(name))
     for _, t in _kernels(ctx):
         for m in t.modules:
-            raw = ctx.recipe.env.get(m.switch)
-            if raw is not None and raw not in SWITCH_VALUES:
-                yield Issue("switch-value", E, f"env {m.switch}={raw!r}: the adapter's env_bool raises on it at "
+            given = ctx.recipe.env.get(m.switch)
+            if given is not None and given not in SWITCH_VALUES:
+                yield Issue("switch-value", E, f"env {m.switch}={given!r}: the adapter's env_bool raises on it at "
                             f"import ({m.name}'s switch, transform {t.id}): the server would not start",
                             f"set {m.switch} to one of {', '.join(SWITCH_VALUES)}", ctx.origin_of_env(m.switch))
 
