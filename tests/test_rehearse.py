@@ -207,13 +207,19 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     checks = _checks(report)
     assert f"max_completion_tokens alone limited the answer to {model.MAX_TOKENS} tokens" in \
         checks["multi-system"]["detail"], checks["multi-system"]
-    assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
-                           "prefix-cache", "answers"}
+    assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "kernels", "weights",
+                           "cache-hits", "prefix-cache", "answers"}
+    # the kernels the tiny model reaches in float16 ran, each computed by its reference, counted
+    assert re.search(r"^called: corex_gdn_causal_conv x\d+, corex_gdn_beta_decay x\d+, corex_attn_head_rms_norm "
+                     r"x\d+; not reachable by the rehearsed model \(float16, TP 2;", checks["kernels"]["detail"]), \
+        checks["kernels"]
+    assert "corex_moe_direct_routed (its guard needs hidden_size 2048 (here 64)" in checks["kernels"]["detail"]
     # the oracles compared what they claim: TP 2 against TP 1, every decoded token against a fresh prefill
     assert re.search(r"^3\d tokens of 3 answers at TP 2 equal TP 1's; 3\d tokens of 3 answers equal those with the "
                      r"fast paths off \(TP 1, the variant adapter-paths \(MOE_NATIVE=0 CHUNK_PARALLEL=0 "
-                     r"RMSNORM_NATIVE=0\)\); 3\d tokens of 3 answers equal the plain forward's \(outside vLLM, from "
-                     r"the model's math\); 3\d decoded tokens each equal",
+                     r"RMSNORM_NATIVE=0 BI100_GDN_COREX_CAUSAL_CONV=0 [^)]*BI100_ATTN_COREX_PAGED_GATHER=0\)\); 3\d "
+                     r"tokens of 3 answers equal the plain forward's \(outside vLLM, from the model's math\); 3\d "
+                     r"decoded tokens each equal",
                      checks["answers"]["detail"]), checks["answers"]
     assert "kept on there, fixes the image needs: XFORMERS_SDPA_FALLBACK, PREFIX_FLASH, PREFIX_STATE" in \
         checks["answers"]["detail"]
@@ -248,8 +254,9 @@ def test_the_second_model_rehearses_with_every_check_ok(tmp_path: Path) -> None:
     streamed call)."""
     report = rehearse_cmd(RehearseRequest(REPO / "recipes/bi100-qwen25.yaml", Inputs(), output=tmp_path / "run"))
     checks = _checks(report)
-    assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "weights", "cache-hits",
-                           "prefix-cache", "answers"}
+    assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "kernels", "weights",
+                           "cache-hits", "prefix-cache", "answers"}
+    assert checks["kernels"]["result"] == "n/a", checks["kernels"]
     assert not [c for c in checks.values() if not c["ok"]], checks
     assert "the tool parser hermes split them as the client expects" in checks["parsers"]["detail"]
     assert re.search(r"cache hit rate 0\.[1-9]", checks["cache-hits"]["detail"]), checks["cache-hits"]
@@ -588,15 +595,19 @@ def test_the_fast_paths_off_reference_is_the_declared_variant_or_every_dispatch_
 
     flagship = load_recipe(FLAGSHIP).recipe
     declared = fast_paths_off(flagship)
-    assert declared.env == {"MOE_NATIVE": "0", "CHUNK_PARALLEL": "0", "RMSNORM_NATIVE": "0"}
-    assert declared.made == "the variant adapter-paths (MOE_NATIVE=0 CHUNK_PARALLEL=0 RMSNORM_NATIVE=0)"
+    kernels = {m.switch: "0" for t in flagship.kernels() for m in t.modules}
+    assert len(kernels) == 10
+    assert declared.env == {"MOE_NATIVE": "0", "CHUNK_PARALLEL": "0", "RMSNORM_NATIVE": "0", **kernels}
+    assert declared.made.startswith("the variant adapter-paths (MOE_NATIVE=0 CHUNK_PARALLEL=0 RMSNORM_NATIVE=0 "
+                                    "BI100_GDN_COREX_CAUSAL_CONV=0 ")
     assert declared.not_covered == () and declared.fixes == ("XFORMERS_SDPA_FALLBACK", "PREFIX_FLASH", "PREFIX_STATE")
-    # built from the recipe: its fast-path dispatches off, the same switches the flagship's variant names
+    # built from the recipe: its fast-path dispatches and its kernels off, the same switches the variant names
     built = fast_paths_off(flagship.model_copy(update={"checks": flagship.checks.model_copy(
         update={"fast_paths_off": None})}))
     assert built.env == declared.env and built.fixes == declared.fixes
-    assert built.made == ("every fast-path dispatch switch the recipe adds set to 0 (the recipe names no "
-                          "checks.fast_paths_off variant): MOE_NATIVE=0 CHUNK_PARALLEL=0 RMSNORM_NATIVE=0")
+    assert built.made.startswith("every fast-path dispatch and prebuilt kernel switch the recipe adds set to 0 (the "
+                                 "recipe names no checks.fast_paths_off variant): MOE_NATIVE=0 CHUNK_PARALLEL=0 "
+                                 "RMSNORM_NATIVE=0 BI100_GDN_COREX_CAUSAL_CONV=0 ")
     # a variant that leaves one on says so
     partial = fast_paths_off(flagship.model_copy(update={
         "variants": {**flagship.variants, "adapter-paths": flagship.variants["adapter-paths"].model_copy(
@@ -882,3 +893,26 @@ def test_a_server_that_dies_before_the_answers_are_tokenized_fails_the_check_wit
     assert not verdict.ok and "did not tokenize the answers' prompts (ConnectError" in verdict.detail, verdict.detail
     assert "RuntimeError: the engine died" in verdict.detail
     assert check.needs() == check.servers  # no reference server is started for answers never read
+
+
+def test_a_kernel_called_with_the_wrong_layout_stops_the_server_and_the_kernels_check_names_it(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    """The causal conv kernel handed (batch, 1, channels) instead of (batch, channels, 1): its reference refuses it
+    as the kernel's TORCH_CHECK does on the card, the engine stops at the first decode, and the check names both the
+    refusal and the module that never ran."""
+    def wrong_layout(data: dict[str, Any]) -> None:
+        guard = next(t for t in data["transforms"] if t["id"] == "adapter-corex-causal-conv-guard")
+        assert guard["new"].count("mixed_qkv.contiguous()") == 1
+        guard["new"] = guard["new"].replace("mixed_qkv.contiguous()", "mixed_qkv.transpose(1, 2).contiguous()")
+
+    recipe = recipe_copy(tmp_path / "recipe", wrong_layout)
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
+                                          checks=("kernels",)))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"], checks
+    detail = checks["kernels"]["detail"]
+    assert not checks["kernels"]["ok"] and detail.startswith("the short request failed: "), detail
+    assert "hidden must have shape (batch, channels, 1)" in detail, detail
+    assert ("corex_gdn_causal_conv (BI100_GDN_COREX_CAUSAL_CONV on, its guard met by the rehearsed model, imported, "
+            "never called)") in detail, detail
+    assert stray_processes() == []

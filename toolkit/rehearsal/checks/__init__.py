@@ -6,6 +6,7 @@ from toolkit.errors import ToolkitError
 from toolkit.rehearsal.checks.answers import Answers
 from toolkit.rehearsal.checks.base import RehearsalCheck, Run
 from toolkit.rehearsal.checks.cache_hits import CacheHits
+from toolkit.rehearsal.checks.kernels import Kernels
 from toolkit.rehearsal.checks.multi_system import MultiSystem
 from toolkit.rehearsal.checks.parsers import Parsers
 from toolkit.rehearsal.checks.prefix_cache import PrefixCache
@@ -14,7 +15,7 @@ from toolkit.rehearsal.checks.short import Short
 from toolkit.rehearsal.checks.tools import Tools
 
 CHECKS: dict[str, type[RehearsalCheck]] = {c.name: c for c in (
-    Short, Tools, MultiSystem, Parsers, Profile, PrefixCache, CacheHits, Answers)}
+    Short, Tools, MultiSystem, Parsers, Profile, Kernels, PrefixCache, CacheHits, Answers)}
 # what --check can choose; the start and the weights are checked whenever a server starts
 REQUEST_CHECKS = tuple(CHECKS)
 

@@ -47,10 +47,10 @@ class FastPathsOff:
 
 
 def fast_paths_off(recipe: Recipe) -> FastPathsOff:
-    """The recipe's `checks.fast_paths_off` variant's env, or every fast-path dispatch switch the recipe adds set to
-    0 (a dispatch that is a fix stays on)."""
+    """The recipe's `checks.fast_paths_off` variant's env, or every fast-path dispatch switch the recipe adds and
+    every prebuilt kernel's switch set to 0 (a dispatch that is a fix stays on)."""
     dispatches = [t for t in recipe.transforms if isinstance(t, Dispatch)]
-    switches = [t.switch for t in dispatches if not t.fix]
+    switches = [t.switch for t in dispatches if not t.fix] + [m.switch for t in recipe.kernels() for m in t.modules]
     fixes = tuple(t.switch for t in dispatches if t.fix)
     name = recipe.checks.fast_paths_off
     if name:
@@ -59,8 +59,8 @@ def fast_paths_off(recipe: Recipe) -> FastPathsOff:
         made = f"the variant {name} ({variant.describe()})"
     elif switches:
         env = {switch: "0" for switch in switches}
-        made = ("every fast-path dispatch switch the recipe adds set to 0 (the recipe names no checks.fast_paths_off "
-                "variant): " + " ".join(f"{s}=0" for s in switches))
+        made = ("every fast-path dispatch and prebuilt kernel switch the recipe adds set to 0 (the recipe names no "
+                "checks.fast_paths_off variant): " + " ".join(f"{s}=0" for s in switches))
     else:
         env = {}
         made = ("every dispatch the recipe adds is a fix the image needs" if dispatches else
