@@ -77,7 +77,7 @@ def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, adapt
     result = cli("preflight", FLAGSHIP, "--all-variants", "--source", f"qwen36-adapter={clone}@{commit}", "--json")
     assert result.code == 2, result.err[-2000:]  # the variants without chunked prefill cannot start
     variants = by_variant(result)
-    assert len(variants) == 36
+    assert len(variants) == 38
     base = stages(variants["base"])
     assert all(s["ok"] for s in base.values()), base
     assert base["architecture"]["message"].endswith("vllm.model_executor.models.qwen3_5.Qwen3_5MoeForCausalLM")
