@@ -81,7 +81,8 @@ def test_a_flipped_byte_is_refused_naming_the_file_and_its_manifest_line(tmp_pat
     path.write_bytes(bytes(data))
     with pytest.raises(ToolkitError) as caught:
         _kind(top)
-    assert f"{path} has sha256 {hashlib.sha256(data).hexdigest()}, not the manifest's 015b61046ad7" in caught.value.message
+    found = hashlib.sha256(data).hexdigest()
+    assert f"{path} has sha256 {found}, not the manifest's 015b61046ad7" in caught.value.message
     assert caught.value.message.endswith(f"({top / BUNDLE / 'SHA256SUMS'}:6)")
 
 
