@@ -213,7 +213,8 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert re.search(r"^called: corex_gdn_causal_conv x\d+, corex_gdn_beta_decay x\d+, corex_attn_head_rms_norm "
                      r"x\d+; not reachable by the rehearsed model \(float16, TP 2;", checks["kernels"]["detail"]), \
         checks["kernels"]
-    assert "corex_moe_direct_routed (its guard needs hidden_size 2048 (here 64)" in checks["kernels"]["detail"]
+    assert "corex_gdn_packed_decode (its guard needs linear_num_key_heads/tp 4 (here 1)" in checks["kernels"]["detail"]
+    assert "switched off: corex_gdn_gated_norm (BI100_GDN_COREX_GATED_NORM 0)" in checks["kernels"]["detail"]
     # the oracles compared what they claim: TP 2 against TP 1, every decoded token against a fresh prefill
     assert re.search(r"^3\d tokens of 3 answers at TP 2 equal TP 1's; 3\d tokens of 3 answers equal those with the "
                      r"fast paths off \(TP 1, the variant adapter-paths \(MOE_NATIVE=0 CHUNK_PARALLEL=0 "
@@ -613,7 +614,8 @@ def test_the_fast_paths_off_reference_is_the_declared_variant_or_every_dispatch_
         "variants": {**flagship.variants, "adapter-paths": flagship.variants["adapter-paths"].model_copy(
             update={"env": {"MOE_NATIVE": "0"}})}}))
     assert partial.not_covered == ("CHUNK_PARALLEL (a fast path left as served)",
-                                   "RMSNORM_NATIVE (a fast path left as served)")
+                                   "RMSNORM_NATIVE (a fast path left as served)",
+                                   *(f"{switch} (a fast path left as served)" for switch in kernels))
     # the second recipe: only the image's fixes and code replaced with no switch, so nothing to turn off
     qwen25 = fast_paths_off(load_recipe(REPO / "recipes/bi100-qwen25.yaml").recipe)
     assert qwen25.env == {} and qwen25.fixes == ("XFORMERS_SDPA_FALLBACK", "PREFIX_FLASH")
@@ -625,7 +627,8 @@ def test_the_fast_paths_off_reference_is_the_declared_variant_or_every_dispatch_
             update={"env": {**declared.env, "PREFIX_FLASH": "0"}})}}))
     assert no_fix.fixes == ("XFORMERS_SDPA_FALLBACK", "PREFIX_STATE")
     # no dispatch at all: said as that, not as fixes
-    bare = flagship.model_copy(update={"transforms": [t for t in flagship.transforms if t.kind != "dispatch"],
+    bare = flagship.model_copy(update={"transforms": [t for t in flagship.transforms
+                                                      if t.kind not in ("dispatch", "kernels")],
                                        "checks": flagship.checks.model_copy(update={"fast_paths_off": None})})
     assert fast_paths_off(bare).env == {} and fast_paths_off(bare).made == "the recipe adds no dispatch"
 

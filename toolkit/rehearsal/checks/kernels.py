@@ -61,19 +61,24 @@ class Kernels(RehearsalCheck):
     servers = ("served",)
 
     request: RequestRecord | None = None
+    cause = ""  # the server's own error, where the request's failure does not carry it
 
     def not_applicable(self) -> str | None:
         return None if self.run.stage.recipe.kernels() else "the recipe installs no prebuilt kernels for its target"
 
     def on(self, server: str, live: Live) -> None:
         self.request = short_request(self.run, live)  # a prefill and decode steps, where the one-token kernels run
+        if not self.request.ok and "the server's log" not in self.request.message:
+            # a stream cut off mid-answer (the engine died after the 200): its cause is in the log, not the status
+            self.cause = self.run.stage.server_error(live.server)
 
     def verdict(self) -> Check:
         if self.request is None:
             return self.unsent()
         check = self.counted()
         if not self.request.ok:  # a kernel that refused its arguments stops the engine, as on the card
-            return Check("kernels", False, f"the short request failed: {self.request.message}; {check.detail}")
+            cause = f"; the server's log: {self.cause}" if self.cause else ""
+            return Check("kernels", False, f"the short request failed: {self.request.message}{cause}; {check.detail}")
         return check
 
     def counted(self) -> Check:
