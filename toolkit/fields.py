@@ -88,5 +88,8 @@ PyBlock = Annotated[str, Field(description="Python statements (dedented; compare
 
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="A full sha256 in hex")]
+# an operation a path owns, dotted from the whole to its parts (moe.routed-experts covers moe.routed-experts.reduce)
+Operation = Annotated[str, Field(pattern=r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$",
+                                 description="An operation, dotted from the whole to its parts")]
 
 

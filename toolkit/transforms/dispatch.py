@@ -21,7 +21,7 @@ import libcst as cst
 from pydantic import Field
 
 from toolkit.errors import ToolkitError
-from toolkit.fields import ENV_PATTERN, CallableRef, PyExpr
+from toolkit.fields import ENV_PATTERN, CallableRef, Operation, PyExpr
 from toolkit.transforms.base import Context, Kind, ModuleEdit, Sites, missing_scope, scope_or_none
 from toolkit.transforms.cstutil import replace_nodes
 
@@ -43,8 +43,8 @@ class Dispatch(ModuleEdit):
         default=False, description="A fix the served code needs on the image (a kernel it lacks, an op it computes "
         "wrong, a state vLLM does not keep), not another implementation of the same math: the rehearsal's "
         "fast-paths-off reference keeps it on")
-    operation: str | None = Field(
-        default=None, pattern=r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$",
+    operation: Operation | None = Field(
+        default=None,
         description="The operation the injected path owns when switched on (e.g. moe.routed-experts); a variant "
         "that also switches on a prebuilt kernel of that operation (kind kernels) is a lint error")
     # what it says of the injected code, not the code written: a dispatch's digest (and marker) does not change with it

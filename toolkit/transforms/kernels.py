@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from toolkit.errors import ToolkitError
-from toolkit.fields import ENV_PATTERN, Identifier, Sha256, Strict
+from toolkit.fields import ENV_PATTERN, Identifier, Operation, Sha256, Strict
 from toolkit.results import State
 from toolkit.transforms.base import Context, Kind
 from toolkit.transforms.deploy import Deploy, DeployKind
@@ -50,11 +50,10 @@ class KernelModule(Strict):
                              "`from vllm import corex_gdn_causal_conv`); its artefact is the manifest's NAME.so")
     switch: str = Field(pattern=ENV_PATTERN, description="The env variable the adapter reads to use it")
     default: Literal["0", "1"] = Field(description="The switch's value when unset (the adapter's code default)")
-    operation: str = Field(
-        pattern=r"^[a-z0-9]+(?:[.-][a-z0-9]+)*$",
-        description="What it computes instead of the adapter's PyTorch path (e.g. moe.routed-experts); a variant "
-        "that switches on two owners of one operation (this module and a native fast path's dispatch, or two "
-        "modules) is a lint error")
+    operation: Operation = Field(
+        description="What it computes instead of the adapter's PyTorch path (e.g. moe.routed-experts.reduce); a "
+        "variant that also switches on a native fast path's dispatch of that operation, or of the whole it is part "
+        "of, is a lint error")
     guard: dict[str, int | str] = Field(
         default_factory=dict,
         description="The adapter's call-site guard, as the model shape it needs: `dtype` (the served dtype), "
