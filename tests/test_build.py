@@ -195,9 +195,9 @@ def test_all_variants_with_branches_and_push(cli, tmp_path: Path) -> None:
     result = cli("build", FLAGSHIP, "-o", out, "--all-variants", "--branches", "--push", remote, "--json")
     assert result.code == 0, result.err
     data = result.json()
-    assert len(data["branches"]) == 1 + 19  # main + every variant that lints clean except base
+    assert len(data["branches"]) == 1 + 21  # main + every variant that lints clean except base
     configs = sorted(p.parent.name for p in (out / "variants").glob("*/computility-run.yaml"))
-    assert len(configs) == 19 and not any("ecp-false" in c for c in configs)
+    assert len(configs) == 21 and not any("ecp-false" in c for c in configs)
     heads = {ref.name for ref in git.Repo(remote).heads}
     assert heads == {"main", *(f"variant/{c}" for c in configs)}
     branch_tree = git.Repo(remote).commit("variant/mnbt-8192_mns-4_ecp-true_hka-full-attention").tree

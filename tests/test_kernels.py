@@ -41,7 +41,7 @@ def _source(tmp_path: Path) -> Path:
 
 
 def _kind(top: Path, spec: Kernels = SPEC, arch: str | None = "ivcore10") -> KernelsKind:
-    return KernelsKind(spec, Context(REPO / "patches" / "src", {"qwen36-adapter": top}, arch))
+    return KernelsKind(spec, Context(REPO / "patches" / "src", {"qwen36-adapter": top}, arch, "manylinux1_x86_64"))
 
 
 def _reseal(folder: Path) -> Kernels:
@@ -102,7 +102,7 @@ def test_an_artefact_for_another_machine_is_refused(tmp_path: Path) -> None:
     struct.pack_into("<H", data, 18, 183)  # e_machine: aarch64
     path.write_bytes(bytes(data))
     spec = _reseal(top / BUNDLE)
-    with pytest.raises(ToolkitError, match=r"corex_moe_direct_routed.so is an ELF for aarch64, not the image's x86-64"):
+    with pytest.raises(ToolkitError, match=r"corex_moe_direct_routed.so is an ELF for aarch64, not the image's x86_64"):
         _kind(top, spec)
     path.write_bytes(b"#!/bin/sh\n" + bytes(data))
     with pytest.raises(ToolkitError, match=r"corex_moe_direct_routed.so is not an ELF file"):
@@ -192,8 +192,14 @@ def test_a_kernel_is_stood_in_before_the_trees_binary_and_counted(tmp_path: Path
     env[standins.KERNELS_ENV] = ""
     bare = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert bare.returncode == 1 and "ImportError" in bare.stderr
-    # a function the module has no reference of raises, naming it as a kernel
+    # a tree that does not hold the binary (its transform not applied there) gets no stand-in either
     env[standins.KERNELS_ENV] = "vllm.corex_moe_exact_reduce"
+    (tree / "vllm" / "corex_moe_exact_reduce.so").unlink()
+    absent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert absent.returncode == 1 and "ImportError: cannot import name 'corex_moe_exact_reduce' from 'vllm'" in \
+        absent.stderr, absent.stderr[-1000:]
+    (tree / "vllm" / "corex_moe_exact_reduce.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF" + b"\0" * 60)
+    # a function the module has no reference of raises, naming it as a kernel
     missing = subprocess.run([sys.executable, "-c", script.replace("serial_float", "serial_double")],
                              capture_output=True, text=True, env=env)
     assert "vllm.corex_moe_exact_reduce.serial_double called from" in missing.stderr
@@ -264,4 +270,52 @@ def test_a_recipe_of_another_architecture_installs_nothing_and_lint_says_so(cli,
     result = cli("lint", path, "--json")
     assert result.code == 2
     rules = [i["rule"] for i in result.json()["issues"] if i["severity"] == "error"]
-    assert rules == ["kernel-artefact"] * 6  # the six the base switches on (the MoE and gated-norm ones are off)
+    assert rules == ["kernel-artefact"] * 4  # the four the base switches on
+
+
+def test_a_guard_is_read_against_the_served_config_and_says_what_it_cannot_know() -> None:
+    packed = _module("corex_gdn_packed_decode")
+    served = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128}
+    assert packed.unmet(served, 4, "float16") == []
+    assert packed.unmet(served, 2, "float16") == ["linear_num_key_heads/tp 4 (here 8)",
+                                                  "linear_num_value_heads/tp 8 (here 16)"]
+    assert packed.unmet(served, 3, "bfloat16")[:2] == ["dtype float16 (here bfloat16)",
+                                                       "linear_num_key_heads/tp 4 (here 16 over TP 3, not a whole "
+                                                       "number per rank)"]
+    assert packed.unmet({**served, "linear_key_head_dim": 128.0}, 4, "float16") == []
+    assert "linear_value_head_dim 128 (the model's config has no linear_value_head_dim)" in packed.unmet(
+        {k: v for k, v in served.items() if k != "linear_value_head_dim"}, 4, "float16")
+    assert packed.step_conditions() == ["a step of exactly 1 token(s)"]
+
+
+def test_a_manifest_in_binary_mode_reads_and_a_malformed_line_is_named(tmp_path: Path) -> None:
+    from toolkit.transforms.kernels import read_manifest
+
+    manifest = tmp_path / "SHA256SUMS"
+    manifest.write_text(f"{'ab' * 32} *corex_a.so\n{'CD' * 32}  corex_b.so\n")
+    assert read_manifest(manifest) == {"corex_a.so": ("ab" * 32, 1), "corex_b.so": ("cd" * 32, 2)}
+    manifest.write_text(f"{'ab' * 32}  corex_a.so\n{'zz' * 32}  corex_b.so\n")
+    with pytest.raises(ToolkitError, match=r"SHA256SUMS:2: not a sha256sum line for one artefact"):
+        read_manifest(manifest)
+
+
+def test_upgrade_to_commit_with_other_artefacts_is_a_conflict_naming_their_digests(tmp_path: Path,
+                                                                                   capsys: Any) -> None:
+    from toolkit.cli import main
+
+    clone, pinned = make_repo(tmp_path)
+    path = require(NEWEST_FILES) / BUNDLE / "corex_moe_exact_reduce.so"
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x40
+    rebuilt = add_commit(clone, f"{BUNDLE}/corex_moe_exact_reduce.so", bytes(data), "a rebuilt kernel")
+    code = main(["upgrade", str(FLAGSHIP), "--source", f"qwen36-adapter={clone}@{rebuilt}", "--from", pinned,
+                 "--json"])
+    fates = {f["transform"]: f for f in json.loads(capsys.readouterr().out)["fates"]}
+    assert code == 1
+    assert {t for t, f in fates.items() if f["fate"] != "carries"} == {"adapter-corex-kernels"}
+    kernels = fates["adapter-corex-kernels"]
+    assert kernels["fate"] == "conflict" and kernels["detail"] == (
+        f"the prebuilt artefacts changed: {BUNDLE}/corex_moe_exact_reduce.so (binary: sha256 d26f2fa39c39 -> "
+        f"{hashlib.sha256(data).hexdigest()[:12]})")
+    assert kernels["decide"].startswith("check the new manifest and set manifest_sha256")

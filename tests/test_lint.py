@@ -171,6 +171,17 @@ def test_two_owners_of_one_operation_are_named_with_their_switches(tmp_path: Pat
     assert issues_of(write(tmp_path, set_env(CHUNK_PARALLEL="1")), "operation-owner") == []
 
 
+def test_a_part_of_an_operation_a_switched_on_kernel_computes_whole_is_said_to_never_run(tmp_path: Path) -> None:
+    [issue] = issues_of(write(tmp_path, set_env(BI100_GDN_COREX_QK_MAP="1")), "kernel-guard")
+    assert issue.severity is Severity.WARNING
+    assert issue.message.startswith("corex_gdn_qk_map (BI100_GDN_COREX_QK_MAP on) is never used by the served model "
+                                    "(float16 at TP 4): corex_gdn_packed_decode (BI100_GDN_COREX_PACKED_DECODE on) "
+                                    "computes the whole of gdn.decode.step")
+    # with the packed step off, it runs where its own guard holds
+    assert issues_of(write(tmp_path, set_env(BI100_GDN_COREX_QK_MAP="1", BI100_GDN_COREX_PACKED_DECODE="0")),
+                     "kernel-guard") == []
+
+
 def test_a_kernel_switch_the_adapter_does_not_read_is_refused(tmp_path: Path) -> None:
     [issue] = issues_of(write(tmp_path, set_env(BI100_GDN_COREX_QK_MAP="TRUE")), "switch-value")
     assert issue.severity is Severity.ERROR and issue.line is not None

@@ -6,8 +6,10 @@ fp32). Part of the issue "the served path runs on a CPU": the references alone, 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
+from pinned_adapter import NEWEST_FILES, require
 
 torch = pytest.importorskip("torch", reason="the references are plain torch: pip install torch==2.13.0")
 
@@ -201,8 +203,13 @@ def test_the_registry_names_what_the_vendor_calls_and_nothing_else() -> None:
         "silu_and_mul", "vllm_single_query_cached_kv_attention", "vllm_rotary_embedding_neox", "rms_norm",
         "fused_add_rms_norm", "vllm_cache_ops_reshape_and_cache", "copy_blocks", "swap_blocks", "linear",
         "memory_efficient_attention_forward", "FwOp", "from_seqlens", "all_reduce", "create_ixformer_group_from_pg"}
-    # the image's GPU libraries only: ixformer, and xformers (the vision tower's attention since the adapter's
-    # 2f7d5f5)
-    assert all(name.startswith(("ixformer.", "xformers.")) for name in REFERENCES)
+    # the image's GPU libraries: ixformer, and xformers (the vision tower's attention since the adapter's 2f7d5f5);
+    # and the adapter's prebuilt kernels, exactly the entry points their .cu sources define (pybind's module.def)
+    assert all(name.startswith(("ixformer.", "xformers.", "vllm.corex_")) for name in REFERENCES)
+    sources = require(NEWEST_FILES)
+    defined = {f"vllm.{cu.stem}.{name}" for cu in sources.glob("corex_*.cu")
+               for name in re.findall(r'module\.def\(\s*"(\w+)"', cu.read_text())}
+    assert len({n.split(".")[1] for n in defined}) == 10
+    assert {n for n in REFERENCES if n.startswith("vllm.corex_")} == defined
     assert {n for n in REFERENCES if n.startswith("xformers.")} == {
         "xformers.ops.memory_efficient_attention_forward", "xformers.ops.fmha.attn_bias.BlockDiagonalMask.from_seqlens"}

@@ -184,8 +184,19 @@ def test_the_adapters_commit_before_the_upgrade_is_refused_by_build_naming_what_
 
     clone, before, _ = history(tmp_path / "repo")
     out = tmp_path / "sub"
-    result = cli("build", REPO / "recipes" / "bi100-qwen36.yaml", "-o", out, "--source",
-                 f"qwen36-adapter={clone}@{before}", "--json")
+    # the prebuilt kernels came with 2f7d5f5: at 5a1c8c7 their folder is not there, said before anything is tried
+    refused = cli("build", REPO / "recipes" / "bi100-qwen36.yaml", "-o", out, "--source",
+                  f"qwen36-adapter={clone}@{before}", "--json")
+    assert refused.code == 2 and not out.exists(), refused.out[-2000:] + refused.err[-2000:]
+    assert "prebuilt/corex-3.2.3-ivcore10 is not in commit" in refused.json()["error"], refused.json()
+    # without them (and the guard of their call site) every other transform is tried on the old files
+    data = flagship_data()
+    data["patches"] = str(REPO / "patches" / "src")
+    data["transforms"] = [t for t in data["transforms"]
+                          if t["id"] not in ("adapter-corex-kernels", "adapter-corex-causal-conv-guard")]
+    recipe = tmp_path / "bi100-qwen36.yaml"
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = cli("build", recipe, "-o", out, "--source", f"qwen36-adapter={clone}@{before}", "--json")
     assert result.code != 0 and not out.exists(), result.out[-2000:] + result.err[-2000:]
     results = result.json()["results"]
     drifted = {(r["transform"], r["root"]) for r in results if r["state"] == "DRIFTED"}

@@ -502,5 +502,8 @@ def test_the_flagship_at_its_new_pin_carries_and_back_to_the_old_one_names_what_
     print(json.dumps({t: f for t, f in fates.items() if f != "carries"}, indent=1))
     assert {t for t, f in fates.items() if f != "carries"} == {
         "prefix-state-no-adapter-capture", "prefix-state-no-block-id-save", "probe-moe-router",
-        "probe-attention-qgkv-proj", "moe-native", "prefix-state-gdn"}
+        "probe-attention-qgkv-proj", "moe-native", "prefix-state-gdn",
+        # and what the kernels issue added at the new pin: no prebuilt modules at 5a1c8c7, no call site to guard
+        "adapter-corex-kernels", "adapter-corex-causal-conv-guard"}
     assert fates["probe-attention-qgkv-proj"] == "gone"  # no self.qgkv_proj at 5a1c8c7, nothing in its place
+    assert fates["adapter-corex-kernels"] == "gone"

@@ -257,6 +257,22 @@ class ModelShape(Strict):
         "prefix-state transforms restore a state captured at exactly the hit's block boundary (lint checks the "
         "recipe has them, preflight the patched files); `none`, nothing carries it, so --enable-prefix-caching is "
         "refused. Required when a model with linear_attention serves with prefix caching")
+    def hybrid_config(self) -> dict[str, Any] | None:
+        """The served (text) config's widths as the recipe gives them, for the composite hybrid config (Qwen3.5/3.6:
+        text_config, linear attention, experts, vocabulary); None where the recipe does not give them all."""
+        linear, moe = self.linear_attention, self.moe
+        if not self.text_config or linear is None or moe is None or self.vocab_size is None:
+            return None
+        return {"hidden_size": self.hidden_size, "num_hidden_layers": self.full_attention_interval,
+                "num_attention_heads": self.num_attention_heads or self.hidden_size // self.head_dim,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab_size,
+                "full_attention_interval": self.full_attention_interval,
+                "linear_num_key_heads": linear.num_key_heads, "linear_num_value_heads": linear.num_value_heads,
+                "linear_key_head_dim": linear.key_head_dim, "linear_value_head_dim": linear.value_head_dim,
+                "linear_conv_kernel_dim": linear.conv_kernel, "num_experts": moe.num_experts,
+                "num_experts_per_tok": moe.experts_per_token, "moe_intermediate_size": moe.intermediate_size,
+                "shared_expert_intermediate_size": moe.shared_intermediate_size}
+
     def counts_full_attention_only(self, env: dict[str, str]) -> bool:
         """Whether vLLM 0.6.3 counts only the full-attention layers, with this env."""
         rule = self.layers_block_type

@@ -97,7 +97,8 @@ class Engine:
         self.roots = roots
         self.rootfs = rootfs
         self.check_version = check_version
-        self.ctx = Context(loaded.patches_folder(), dict(pinned or {}), self.recipe.hardware.device_arch)
+        self.ctx = Context(loaded.patches_folder(), dict(pinned or {}), self.recipe.hardware.device_arch,
+                           self.recipe.base_image.platform)
         self.index = {t.id: i for i, t in enumerate(self.recipe.transforms)}
         self.transforms = self.recipe.for_package(self.package)
         active = [t for t in self.transforms if t.id not in skip]

@@ -581,17 +581,11 @@ def kernel_artefact(ctx: LintContext) -> Iterator[Issue]:
 
 def _kernel_model(ctx: LintContext) -> tuple[dict[str, object], int, str] | None:
     """The served model's (text) config, TP and dtype, as the kernels' guards read them (None: not known here)."""
-    from toolkit.errors import ToolkitError
-    from toolkit.runtime.tiny_model import wide_config
-
-    if ctx.recipe.model is None:
+    model = ctx.recipe.model
+    config = model.hybrid_config() if model is not None else None
+    if model is None or config is None:
         return None
-    try:
-        config, _ = wide_config(ctx.recipe.model)
-    except ToolkitError:
-        return None
-    text = config.get("text_config", config)
-    return text, ctx.int_arg("tensor-parallel-size", 1) or 1, served_dtype(ctx.arg("dtype"), ctx.recipe.model.dtype)
+    return config, ctx.int_arg("tensor-parallel-size", 1) or 1, served_dtype(ctx.arg("dtype"), model.dtype)
 
 
 @rule("kernel-guard", E, "a switched-on prebuilt kernel the served model never reaches, or that refuses it")
@@ -615,6 +609,18 @@ def kernel_guard(ctx: LintContext) -> Iterator[Issue]:
                 yield Issue("kernel-guard", W, f"{m.name} ({m.switch} on) is never used by the served model "
                             f"({served}): its call site needs {', '.join(unmet)}; the adapter's PyTorch path runs",
                             f"set {m.switch}: \"0\" to say so, or serve what it needs", origin)
+            elif whole := _taken_by(m, [w for w in t.modules if _on(ctx, w) and not w.unmet(config, tp, dtype)]):
+                yield Issue("kernel-guard", W, f"{m.name} ({m.switch} on) is never used by the served model "
+                            f"({served}): {whole.name} ({whole.switch} on) computes the whole of {whole.operation} "
+                            f"on every step {m.name}'s guard allows", f"set {m.switch}: \"0\" to say so, or "
+                            f"{whole.switch}: \"0\" to use it", origin)
+
+
+def _taken_by(part: KernelModule, others: list[KernelModule]) -> KernelModule | None:
+    """The kernel that computes the whole operation `part` is a part of, on every step part's guard allows (its
+    guard met by the served model and asking no more of a step than part's)."""
+    return next((w for w in others if part.operation.startswith(w.operation + ".")
+                 and set(w.step_conditions()) <= set(part.step_conditions())), None)
 
 
 @rule("operation-owner", E, "two paths switched on for one operation (a native fast path and a prebuilt kernel)")
@@ -625,28 +631,23 @@ def operation_owner(ctx: LintContext) -> Iterator[Issue]:
     for _, module, _ in switch_readers(ctx.deployed_paths):
         if module is not None:
             defaults.update({k: str(v.get("default", "")) for k, v in module.TABLE.items()})
-    owners: dict[str, list[tuple[str, str]]] = {}  # operation -> (who, its switch)
+    natives: list[tuple[str, str, str]] = []  # (transform, operation, switch) of each native path switched on
     for t in ctx.recipe.transforms:
         if isinstance(t, Dispatch) and t.operation is not None:
             value = str(ctx.recipe.env.get(t.switch, t.default if t.default is not None else defaults.get(t.switch)))
             if value == "1":
-                owners.setdefault(t.operation, []).append((f"transform {t.id}", t.switch))
-    for _, t in _installed_kernels(ctx):
-        for m in t.modules:
-            if _on(ctx, m):
-                owners.setdefault(m.operation, []).append((f"kernel {m.name}", m.switch))
-    for operation, who in sorted(owners.items()):
-        if not any(w.startswith("transform ") for w, _ in who):
+                natives.append((t.id, t.operation, t.switch))
+    kernels = [m for _, t in _installed_kernels(ctx) for m in t.modules if _on(ctx, m)]
+    for tid, operation, switch in natives:
+        # one owns the other's operation where either is the whole the other is a part of; kernels among
+        # themselves are the adapter's own cascade (the packed decode step where its guard holds, its parts
+        # elsewhere), not two owners
+        clash = [m for m in kernels if m.operation == operation or m.operation.startswith(operation + ".")
+                 or operation.startswith(m.operation + ".")]
+        if not clash:
             continue
-        # a native path owns its operation and every part of it (moe.routed-experts covers
-        # moe.routed-experts.reduce); kernels among themselves are the adapter's own cascade (the packed decode step
-        # where its guard holds, its parts elsewhere), not two owners
-        inside = [(w, s, op) for op, rest in owners.items() if op == operation or op.startswith(operation + ".")
-                  for w, s in rest]
-        if len(inside) < 2:
-            continue
-        native = next(s for w, s, _ in inside if w.startswith("transform "))
-        named = "; ".join(f"{w} ({op}, {s} on)" for w, s, op in inside)
-        yield Issue("operation-owner", E, f"operation {operation} has {len(inside)} owners switched on: {named}: "
-                    "one silently takes it from the other, and which one a measurement measured is not said",
-                    f"switch one off (e.g. {native}: \"0\" to keep the kernels)", ctx.origin_of_env(native))
+        named = "; ".join(f"kernel {m.name} ({m.operation}, {m.switch} on)" for m in clash)
+        yield Issue("operation-owner", E, f"operation {operation} has {len(clash) + 1} owners switched on: transform "
+                    f"{tid} ({operation}, {switch} on); {named}: one silently takes it from the other, and which one "
+                    "a measurement measured is not said", f"switch one off (e.g. {switch}: \"0\" to keep the kernels)",
+                    ctx.origin_of_env(switch))

@@ -436,8 +436,9 @@ def kv_summary(recipe: Recipe, outcome: Outcome) -> str | None:
 
 def standins_summary(record: dict[str, Any]) -> str | None:
     """What was stood in for the image's GPU libraries, and whether the vendor's code called any of it."""
-    libraries = record.get("libraries") or []
-    if not libraries:
+    kernels = record.get("kernels") or []
+    libraries = [name for name in record.get("libraries") or [] if name not in kernels]
+    if not libraries and not kernels:
         return None
     modules = record.get("modules") or []
     calls = record.get("calls") or []
@@ -456,8 +457,9 @@ def standins_summary(record: dict[str, Any]) -> str | None:
     misses = sorted(set(record.get("patch_misses") or []))
     if misses:
         emulated += f" (NOT patched, so the device count there is the CPU's: {', '.join(misses)})"
-    return (f"stood in for the image's GPU libraries ({', '.join(libraries)}): {len(modules)} module(s): {used}; "
-            f"{called}{refused}{emulated}")
+    prebuilt = f" and the prebuilt kernels ({', '.join(kernels)})" if kernels else ""
+    return (f"stood in for the image's GPU libraries ({', '.join(libraries)}){prebuilt}: {len(modules)} module(s): "
+            f"{used}; {called}{refused}{emulated}")
 
 
 def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:

@@ -171,9 +171,10 @@ def _under(fullname: str, names: Sequence[str] | frozenset[str]) -> bool:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, libraries: Sequence[str], absent: Sequence[str] = ()) -> None:
+    def __init__(self, libraries: Sequence[str], absent: Sequence[str] = (), binaries: bool = False) -> None:
         self.libraries = frozenset(libraries)
         self.absent = frozenset(absent)
+        self.binaries = binaries  # prebuilt kernels: stood in only where the tree holds the module's binary
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
@@ -181,6 +182,12 @@ class _Finder(importlib.abc.MetaPathFinder):
         # compiled extensions: vllm._C); this finder is the last one asked, so what exists always wins
         if not _under(fullname, self.libraries):
             return None
+        if self.binaries and fullname in self.libraries:
+            # a kernel the tree does not hold (its transform skipped here) fails to import, as on the image
+            leaf = fullname.rpartition(".")[2]
+            if not any((Path(folder) / f"{leaf}.so").is_file() or next(Path(folder).glob(f"{leaf}.*.so"), None)
+                       for folder in path or ()):
+                return None
         if _under(fullname, self.absent):
             # the image lacks it: nothing provides it, and the import fails as it does there
             RECORD["absent_imports"].append(fullname)
@@ -202,7 +209,7 @@ def install(libraries: Sequence[str], absent: Sequence[str] = (), kernels: Seque
     if names:
         sys.meta_path.append(_Finder(names, RECORD["absent"]))
     if device:
-        sys.meta_path.insert(0, _Finder(device))
+        sys.meta_path.insert(0, _Finder(device, binaries=True))
     _record_at_exit()
 
 

@@ -132,17 +132,9 @@ def wide_config(model: Any, model_config: Path | None = None) -> tuple[dict[str,
     if model.moe is None or model.vocab_size is None:
         raise ToolkitError("the recipe's model: gives no moe (experts, top-k, widths) or vocab_size, which the wide "
                            "model is built at", hint="add them under model:, or pass --model-config DIR")
-    linear, moe = model.linear_attention, model.moe
-    spec = {"architecture": model.architecture, "model_type": model.model_type, "dtype": model.dtype,
-            "hidden_size": model.hidden_size, "num_hidden_layers": model.full_attention_interval,
-            "num_attention_heads": model.num_attention_heads or model.hidden_size // model.head_dim,
-            "num_key_value_heads": model.num_kv_heads, "head_dim": model.head_dim, "vocab_size": model.vocab_size,
-            "full_attention_interval": model.full_attention_interval,
-            "linear_num_key_heads": linear.num_key_heads, "linear_num_value_heads": linear.num_value_heads,
-            "linear_key_head_dim": linear.key_head_dim, "linear_value_head_dim": linear.value_head_dim,
-            "linear_conv_kernel_dim": linear.conv_kernel, "num_experts": moe.num_experts,
-            "num_experts_per_tok": moe.experts_per_token, "moe_intermediate_size": moe.intermediate_size,
-            "shared_expert_intermediate_size": moe.shared_intermediate_size}
+    widths = model.hybrid_config()
+    assert widths is not None  # what it needs is checked above, each with its own hint
+    spec = {"architecture": model.architecture, "model_type": model.model_type, "dtype": model.dtype, **widths}
     return _hybrid_config(spec, {"bos_token_id": 0, "eos_token_id": 1}), model.num_layers
 
 

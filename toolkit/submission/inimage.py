@@ -60,7 +60,8 @@ def payload_pinned(loaded: LoadedRecipe) -> dict[str, Path] | None:
         if bad:
             say(False, f"source {name}: {len(bad)} file(s) differ from the recorded sha256: {', '.join(bad[:5])}")
             return None
-        say(True, f"source {name}: {len(digests)} used file(s) match their recorded sha256 (LF-normalised)")
+        say(True, f"source {name}: {len(digests)} used file(s) match their recorded sha256 (text LF-normalised, "
+            "binaries as they are)")
     return pinned
 
 

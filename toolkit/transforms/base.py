@@ -105,6 +105,7 @@ class Context:
     patches_dir: Path
     pinned: dict[str, Path] = field(default_factory=dict)  # declared sources available here, at their commit
     device_arch: str | None = None  # the target's (hardware.device_arch): prebuilt kernels apply only for it
+    platform: str | None = None  # the image's wheel platform tag (base_image.platform): a prebuilt kernel's CPU
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ class Deploy(TransformBase):
         return value
 
 
+OVERWRITE_HINT = ": set `overwrite: true` if replacing the vendor file is intended"
 SKIP_PARTS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 
 
@@ -193,7 +194,7 @@ class DeployKind:
                     continue
             ops.append(FileOp(target, content=data, mode=mode))
         if conflicts:
-            hint = "" if self.spec.replaces else ": set `overwrite: true` if replacing the vendor file is intended"
+            hint = "" if self.spec.replaces else OVERWRITE_HINT
             return FilePlan(State.DRIFTED, "; ".join(conflicts) + hint)
         mine = [rel for rel in self.targets(base) if rel in patched]
         note = f" (+{len(mine)} written patched by transforms)" if mine else ""

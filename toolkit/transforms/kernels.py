@@ -12,6 +12,7 @@ compiled anywhere: the image build needs no compiler, network or device.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,14 +24,16 @@ from toolkit.errors import ToolkitError
 from toolkit.fields import ENV_PATTERN, Identifier, Operation, Sha256, Strict
 from toolkit.results import State
 from toolkit.transforms.base import Context, Kind
-from toolkit.transforms.deploy import Deploy, DeployKind
+from toolkit.transforms.deploy import OVERWRITE_HINT, Deploy, DeployKind
 from toolkit.transforms.files import FilePlan, sha256
 
-# ELF e_machine of each image CPU a wheel platform tag can name
-ELF_MACHINES = {"x86-64": 62, "aarch64": 183}
+# ELF e_machine of each image CPU, by how a wheel platform tag (base_image.platform) ends
+ELF_MACHINES = {"x86_64": 62, "aarch64": 183}
 # the adapter's bi100_env.env_bool, exactly
 SWITCH_VALUES = {**dict.fromkeys(("1", "true", "True", "yes", "YES", "on", "ON"), True),
                  **dict.fromkeys(("0", "false", "False", "no", "NO", "off", "OFF"), False)}
+# `sha256sum` output: the digest, then two spaces (text mode) or a space and `*` (binary mode), then the name
+MANIFEST_LINE = re.compile(r"([0-9a-fA-F]{64}) [ *](.+)")
 PER_RANK = "/tp"  # a guard key ending in it compares the config value divided by the tensor-parallel size
 # vLLM 0.6.3's --dtype spellings (config.py _STR_DTYPE_TO_TORCH_DTYPE); "auto" takes the checkpoint's
 DTYPE_SPELLINGS = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32",
@@ -76,7 +79,8 @@ class KernelModule(Strict):
                                hint=f"one of {', '.join(SWITCH_VALUES)}")
         return SWITCH_VALUES[value]
 
-    def unmet(self, config: dict[str, object], tp: int, dtype: str, which: str = "guard") -> list[str]:
+    def unmet(self, config: dict[str, object], tp: int, dtype: str,
+              which: Literal["guard", "needs"] = "guard") -> list[str]:
         """The conditions of the guard (or `needs`) that a model of this config, served at this TP and dtype, does
         not meet (`tokens` and `context_over` are properties of a step, not of the model: never unmet here)."""
         out = []
@@ -85,11 +89,18 @@ class KernelModule(Strict):
                 continue
             if key == "dtype":
                 have: object = dtype
-            elif key.endswith(PER_RANK):
-                value = config.get(key[: -len(PER_RANK)])
-                have = value // tp if isinstance(value, int) else value
             else:
-                have = config.get(key)
+                value = config.get(key.removesuffix(PER_RANK))
+                if value is None:
+                    out.append(f"{key} {wanted} (the model's config has no {key.removesuffix(PER_RANK)})")
+                    continue
+                have = value
+                if key.endswith(PER_RANK):
+                    whole = int(value) if isinstance(value, int | float) and float(value).is_integer() else None
+                    if whole is None or whole % tp:
+                        out.append(f"{key} {wanted} (here {value} over TP {tp}, not a whole number per rank)")
+                        continue
+                    have = whole // tp
             if have != wanted:
                 out.append(f"{key} {wanted} (here {have})")
         return out
@@ -112,8 +123,6 @@ class Kernels(Deploy):
                       "e.g. vllm")
     architecture: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="The device architecture the artefacts "
                               "were built for; applied only where hardware.device_arch is this")
-    machine: Literal["x86-64", "aarch64"] = Field(default="x86-64",
-                                                  description="The image's CPU: each artefact's ELF machine")
     manifest: str = Field(default="SHA256SUMS", description="The sha256sum manifest beside the artefacts")
     manifest_sha256: Sha256 = Field(description="The manifest's own sha256: the pin every artefact digest "
                                     "hangs from")
@@ -153,13 +162,21 @@ def read_manifest(path: Path) -> dict[str, tuple[str, int]]:
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
-        digest, _, name = line.partition("  ")
-        name = name.lstrip("*")
-        if len(digest) != 64 or not name or "/" in name or name in out:
+        found = MANIFEST_LINE.fullmatch(line)
+        if found is None or "/" in found[2] or found[2] in out:
             raise ToolkitError(f"{path}:{number}: not a sha256sum line for one artefact: {line!r}",
                                hint="regenerate it with `sha256sum *.so > SHA256SUMS` beside the artefacts")
-        out[name] = (digest.lower(), number)
+        out[found[2]] = (found[1].lower(), number)
     return out
+
+
+def image_machine(platform: str | None) -> str:
+    """The image's CPU, as its wheel platform tag ends (manylinux1_x86_64: x86_64)."""
+    found = next((m for m in ELF_MACHINES if platform and platform.endswith(m)), None)
+    if found is None:
+        raise ToolkitError(f"base_image.platform {platform!r} names no CPU prebuilt kernels are checked for",
+                           hint=f"a wheel platform tag ending in one of {', '.join(ELF_MACHINES)}")
+    return found
 
 
 def elf_problem(data: bytes, machine: str) -> str | None:
@@ -191,6 +208,7 @@ class KernelsKind(DeployKind):
                 "are not the ones the recipe was written for",
                 hint="check the source's commit; if the new manifest is intended, set manifest_sha256 to it")
         listed = read_manifest(manifest)
+        machine = image_machine(ctx.platform)
         wanted = {f"{m.name}.so" for m in spec.modules}
         if set(listed) != wanted:
             extra, missing = sorted(set(listed) - wanted), sorted(wanted - set(listed))
@@ -208,9 +226,9 @@ class KernelsKind(DeployKind):
                 raise ToolkitError(
                     f"{where}: {path} has sha256 {found}, not the manifest's {expected} ({manifest}:{line})",
                     hint="the artefact was changed after its manifest was written: take both from the pinned commit")
-            if (problem := elf_problem(data, spec.machine)) is not None:
+            if (problem := elf_problem(data, machine)) is not None:
                 raise ToolkitError(f"{where}: {path} is {problem}",
-                                   hint=f"use the artefacts built for the image ({spec.machine}, {spec.architecture})")
+                                   hint=f"use the artefacts built for the image ({machine}, {spec.architecture})")
             self.digests[name] = found
         # only the artefacts are installed: the manifest stays in the payload, where the image's apply reads it
         self.files = {name: self.source / name for name in sorted(listed)}
@@ -220,8 +238,9 @@ class KernelsKind(DeployKind):
             return FilePlan(State.GATED_OFF, f"built for {self.spec.architecture}; the target's device "
                             f"architecture is {self.device_arch or 'not declared (hardware.device_arch)'}")
         plan = super().plan(base, owned, patched)
-        if plan.state is State.DRIFTED:
-            return plan
+        if plan.state is State.DRIFTED:  # never overwritten: a module there that this transform did not install
+            return FilePlan(State.DRIFTED, plan.message.replace(OVERWRITE_HINT, "") + ": a prebuilt module this "
+                            "transform did not install is there; if the image ships these kernels, drop the transform")
         digests = ", ".join(f"{name} {digest[:12]}" for name, digest in self.digests.items())
         return FilePlan(plan.state, f"{plan.message}; sha256 as {self.spec.manifest}: {digests}", plan.ops,
                         plan.owned)

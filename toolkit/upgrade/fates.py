@@ -34,6 +34,8 @@ from toolkit.transforms import edit_kind
 from toolkit.transforms.base import Context, ModuleEdit, decide
 from toolkit.transforms.cstutil import qualnames, resolve_scope
 from toolkit.transforms.deploy import Deploy, as_deployed
+from toolkit.transforms.files import is_binary, sha256
+from toolkit.transforms.kernels import Kernels
 
 CONTEXT_LINES = 2  # of a transform's own diff: what "the code it changes" is compared with
 AROUND_LINES = 60  # at most, of what changed in a transform's scope (the report says how much more there is)
@@ -120,7 +122,7 @@ def fates(recipe: Recipe, targets: dict[tuple[str | None, str], str], placed: di
 def _deployed_from(t: ModuleEdit, deploys: list[Deploy]) -> str | None:
     """The source path a deploy places at the file this transform edits."""
     for d in deploys:
-        if d.package != t.package:
+        if d.package != t.package or not d.covers(t.file):
             continue
         dest, target = PurePosixPath(d.dest), PurePosixPath(t.file)
         if target == dest:
@@ -146,10 +148,18 @@ def _deploy_fate(d: Deploy, old: Side, new: Side) -> Outcome:
         return Outcome(d.id, d.kind, d.dest, Fate.CARRIES, "the same bytes")
     counts, diffs = [], []
     for p in changed:
+        if is_binary(before.get(p, b"")) or is_binary(after.get(p, b"")):  # a prebuilt kernel: its digests
+            counts.append(f"{p} (binary: sha256 {sha256(before[p])[:12] if p in before else 'none'} -> "
+                          f"{sha256(after[p])[:12] if p in after else 'none'})")
+            continue
         a, b = _lines(before.get(p, b"")), _lines(after.get(p, b""))
         diff = list(difflib.unified_diff(a, b, f"{p} (old pin)", f"{p} (new commit)", n=1, lineterm=""))
         counts.append(f"{p} {_size(chr(10).join(diff))}")
         diffs.append("\n".join(_trimmed(diff)))
+    if isinstance(d, Kernels):  # new artefacts come with a new manifest, whose digest the recipe pins
+        return Outcome(d.id, d.kind, d.dest, Fate.CONFLICT, "the prebuilt artefacts changed: " + ", ".join(counts),
+                       around="\n".join(diffs), decide="check the new manifest and set manifest_sha256 to its sha256 "
+                       "(and make toolkit/runtime/references/corex_*.py follow the new .cu sources)")
     return Outcome(d.id, d.kind, d.dest, Fate.CARRIES,
                    "deploys the new commit's file(s), changed: " + ", ".join(counts), around="\n".join(diffs))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from toolkit.bench import experiment
 from toolkit.bench.metrics import RequestRecord
+from toolkit.errors import ToolkitError
 from toolkit.rehearsal.checks.base import RehearsalCheck
 from toolkit.rehearsal.checks.short import short_request
 from toolkit.rehearsal.model import Check
@@ -31,7 +32,12 @@ def kernels_check(env: Mapping[str, str | None], modules: list[tuple[str, Kernel
     for dotted, module in modules:
         count = sum(n for name, n in computed.items() if name.startswith(dotted + "."))
         short = dotted.rpartition(".")[2]
-        if not module.on(env):
+        try:
+            on = module.on(env)
+        except ToolkitError as exc:  # the adapter raised on it at import too: the server never served
+            missed.append(f"{short} ({exc.message})")
+            continue
+        if not on:
             off.append(f"{short} ({module.switch} 0)")
             continue
         unmet = module.unmet(config, tp, dtype)
@@ -85,7 +91,9 @@ class Kernels(RehearsalCheck):
         stage = self.run.stage
         config = json.loads((stage.model / "config.json").read_text(encoding="utf-8"))
         text = config.get("text_config", config)
-        dtype = served_dtype(experiment.flag_value(self.run.served, "--dtype"), str(text.get("torch_dtype")))
+        # vLLM 0.6.3 reads the text config's torch_dtype (a checkpoint without one is taken as float32)
+        checkpoint = text.get("torch_dtype") or config.get("torch_dtype") or "float32"
+        dtype = served_dtype(experiment.flag_value(self.run.served, "--dtype"), str(checkpoint))
         modules = [(f"{t.package_name}.{m.name}", m) for t in stage.recipe.kernels() for m in t.modules]
         return kernels_check(stage.recipe.env, modules, stage.rundir / "served-standins" / "standins.json", text,
                              stage.tp, dtype)
