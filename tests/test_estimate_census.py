@@ -151,25 +151,60 @@ def test_what_the_estimate_cannot_run_is_refused_before_a_census(tmp_path: Path,
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 
+def _census_running(recipe: Path, config: Path, adapter_args: list[str], out: Path,
+                    **popen: Any) -> subprocess.Popen[str]:
+    """`toolkit estimate` at TP 2 started as a user would, returned once its census has counted a first shape."""
+    process = subprocess.Popen([sys.executable, "-m", "toolkit", "estimate", str(recipe), *adapter_args,
+                                "--model-config", str(config), "--tp", "2", "-o", str(out)], text=True, **popen)
+    log = out / "base" / "census.log"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and "[census]" not in (log.read_text() if log.is_file() else ""):
+        time.sleep(0.5)
+    return process
+
+
+def _stop_all(process: subprocess.Popen[str]) -> None:
+    process.kill()
+    for pid in _census_processes():  # what a failed check would leave
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_a_census_stopped_by_sigterm_leaves_no_rank_running(switched: tuple[Any, Path, Inputs, Path],
                                                              tmp_path: Path, adapter_args: list[str]) -> None:
     """Its ranks busy-wait on their driver: a census interrupted part-way must take all of them down."""
     _, recipe, _, config = switched
-    out = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "toolkit", "estimate", str(recipe), *adapter_args,
-                                "--model-config", str(config), "--tp", "2", "-o", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = out / "base" / "census.log"
+    process = _census_running(recipe, config, adapter_args, tmp_path / "run", stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and "[census]" not in (log.read_text() if log.is_file() else ""):
-            time.sleep(0.5)
         assert _census_processes(), "the census was running"
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 128 + signal.SIGTERM
         time.sleep(1)
         assert _census_processes() == []
     finally:
-        process.kill()
-        for pid in _census_processes():  # what a failed check above would leave
-            os.kill(pid, signal.SIGKILL)
+        _stop_all(process)
+
+
+def test_a_census_whose_rank_dies_ends_at_once_with_that_ranks_error(switched: tuple[Any, Path, Inputs, Path],
+                                                                      tmp_path: Path, adapter_args: list[str]) -> None:
+    """Rank 0 waits on a dead rank in a gloo collective for 30 minutes: the census must not."""
+    _, recipe, _, config = switched
+    out = tmp_path / "run"
+    process = _census_running(recipe, config, adapter_args, out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        from toolkit.runtime import census
+
+        ranks = {line["rank"]: int(line["pid"]) for line in census.read(out / "base" / "census")}
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        said, _ = process.communicate(timeout=60)
+        assert time.monotonic() - killed < 30, "ended within seconds, not at gloo's timeout"
+        assert process.returncode == 2, said  # a variant that cannot run, as any census that fails
+        assert "the census of the served path stopped" in said
+        assert f"pid {ranks[1]} died, exit code: -9" in said, said
+        assert f"pid {ranks[1]} rank 1" in said
+        time.sleep(1)
+        assert _census_processes() == [], "no rank of a failed census outlives it"
+    finally:
+        _stop_all(process)

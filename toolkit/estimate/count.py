@@ -28,6 +28,7 @@ from toolkit.runtime import census, census_steps
 
 Say = Callable[[str], None]
 CENSUS_TIMEOUT_S = 1800.0
+WATCH_S = 0.5  # how often a running census is looked at for a failed rank
 BLOCK_TOKENS = 16  # vLLM 0.6.3's default block size
 
 
@@ -158,11 +159,8 @@ def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: i
     with log.open("w", encoding="utf-8") as out, _terminated_as_exit():
         process = subprocess.Popen([str(python), census_steps.__file__, str(plan_file)], cwd=folder, env=full_env,
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        code: int | None = None
         try:
-            code = process.wait(CENSUS_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
+            code, failed = _watch(process, records)
         finally:
             # the engine's workers are in its session, and spin when their driver is gone: none outlives the census,
             # however it ends (an error, Ctrl-C, a SIGTERM)
@@ -171,13 +169,37 @@ def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: i
                 process.wait(10)
     if code != 0:
         tail = log.read_text(encoding="utf-8", errors="replace")[-3000:]
-        why = f"ran past {CENSUS_TIMEOUT_S:.0f} s" if code is None else f"exited {code}"
+        if failed:
+            why = f"stopped: {_failed_ranks(failed, records)}"
+        else:
+            why = f"ran past {CENSUS_TIMEOUT_S:.0f} s" if code is None else f"exited {code}"
         raise ToolkitError(f"the census of the served path {why} (log {log}):\n{tail}",
                            hint="the same tree and env start in `toolkit rehearse`: rehearse the variant first")
     counted = read(folder, tp, layers, census_layers, layer_region)
     counted.changed = changed
     say(f"estimate: counted {len(counted.steps)} steps on {tp} rank(s) in {time.monotonic() - started:.0f} s")
     return counted
+
+
+def _watch(process: subprocess.Popen[bytes], records: Path) -> tuple[int | None, list[dict[str, Any]]]:
+    """Wait for the census: its exit code, or None with the failures a rank wrote (the other ranks would wait on it
+    in a collective for gloo's 30 minutes), or None and none past CENSUS_TIMEOUT_S."""
+    deadline = time.monotonic() + CENSUS_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return process.wait(WATCH_S), []
+        if failed := census.failures(records):
+            return None, failed
+    return None, []
+
+
+def _failed_ranks(failed: list[dict[str, Any]], records: Path) -> str:
+    """What each failing process logged, and which rank each pid of the census was (from the steps it counted)."""
+    said = "; ".join(f"rank {f['rank'] if f['rank'] is not None else '?'} (pid {f['pid']}) logged: "
+                     f"{str(f['message']).strip().splitlines()[0][:500]}" for f in failed)
+    ranks = {int(line["pid"]): line["rank"] for line in census.read(records)} if records.is_dir() else {}
+    known = ", ".join(f"pid {pid} rank {rank}" for pid, rank in sorted(ranks.items()) if rank is not None)
+    return said + (f" (the census's ranks: {known})" if known else "")
 
 
 def read(folder: Path, tp: int, layers: int, census_layers: int, layer_region: str) -> Counted:

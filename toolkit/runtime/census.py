@@ -20,6 +20,11 @@ keeps every step it finished. What is counted, by rule:
   those its CPU reference dispatched, its bytes its tensors'; an all-reduce is a collective of its tensor's bytes,
   with no FLOPs (the device model prices it over the link).
 
+A rank that fails (an exception in its worker, or its process dying) leaves its error as DIR/failed-<pid>.json the
+moment vLLM's own worker code logs it (the rank's exception in the rank, a dead rank's exit code in the driver's
+worker monitor): the other ranks then wait on it in a collective until gloo's 30-minute timeout, so whoever runs the
+census watches for that file (`failures`) and ends the census at once.
+
 Copied beside the stand-ins as `toolkit_census` and installed by their sitecustomize when TOOLKIT_CENSUS is set;
 torch is imported when the first step starts.
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import sys
 import types
@@ -36,6 +42,10 @@ from typing import Any
 
 ENV = "TOOLKIT_CENSUS"
 PATTERN = "census-*.jsonl"
+FAILED = "failed-*.json"
+# vLLM 0.6.3's multiprocessing executor logs, at ERROR, a rank's exception ("Exception in worker ...") in the rank and
+# a rank's death ("Worker ... died, exit code: ...") in the driver; nothing else it logs at ERROR
+WORKER_LOGGER = "vllm.executor.multiproc_worker_utils"
 # the vendor calls that move a tensor between ranks: priced over the link, not the card
 COLLECTIVES = frozenset({"ixformer.distributed.all_reduce", "ixformer.distributed.all_gather",
                          "ixformer.distributed.reduce_scatter"})
@@ -272,6 +282,37 @@ def _writer(folder: str) -> Callable[[dict[str, Any]], None]:
     return write
 
 
+class _Failures(logging.Handler):
+    """Each ERROR record of vLLM's worker utilities, written as this process's failure (the first one kept: what
+    follows it is the shutdown it caused)."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(logging.ERROR)
+        self.folder = folder
+
+    def emit(self, record: logging.LogRecord) -> None:
+        path = os.path.join(self.folder, f"failed-{os.getpid()}.json")
+        if os.path.exists(path):
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        partial = path + ".partial"
+        with open(partial, "w", encoding="utf-8") as out:
+            json.dump({"pid": os.getpid(), "rank": _rank(), "message": record.getMessage()}, out)
+        os.replace(partial, path)  # whole or absent: the watcher may read it at any moment
+
+
+def failures(folder: Any) -> list[dict[str, Any]]:
+    """The failures the census's processes wrote in `folder` (none while every rank is healthy)."""
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("failed-") and name.endswith(".json"):
+            with open(os.path.join(folder, name), encoding="utf-8") as source:
+                found.append(json.load(source))
+    return found
+
+
 def read(folder: Any) -> list[dict[str, Any]]:
     """Every step every process of a census wrote in `folder`, in each process's order."""
     lines: list[dict[str, Any]] = []
@@ -294,6 +335,7 @@ def install(folder: str) -> Census:
         profiling.watch(census.start, census.stop)
 
     standins.after_import("native_fastpaths.profiling", hook)
+    standins.after_import(WORKER_LOGGER, lambda module: module.logger.addHandler(_Failures(folder)))
     standins.call_references_through(census.vendor)
     return census
 
