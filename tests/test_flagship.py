@@ -13,6 +13,7 @@ import pytest
 from conftest import FLAGSHIP, TRANSFORMERS_SITE, flagship_origin, roots_of, tree_digest
 from pinned_adapter import add_commit
 
+from toolkit.corexlike import COREX_ROOTS
 from toolkit.engine import writer
 from toolkit.markers import read_markers
 from toolkit.recipe import load_recipe
@@ -141,6 +142,25 @@ def test_verify_names_a_removed_marker(cli, corex_rootfs: Path, flagship_args: l
     assert [(r["transform"], r["root"]) for r in bad] == [
         ("unhardcode-enforce-eager", "/usr/local/corex/lib64/python3/dist-packages")]
     assert "SUPERSEDED" not in {r["state"] for r in bad}
+
+
+def test_verify_names_a_deployed_file_changed_after_apply(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:
+    """Every marker and post-state stays in place: only the digest apply recorded of its result sees the edit."""
+    assert cli("apply", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args).code == 0
+    root = roots_of(corex_rootfs)[0]
+    model = root / "vllm/model_executor/models/qwen3_5.py"
+    text = model.read_text()
+    edited = text.replace('env_int("BI100_DNN_CHUNK", 4096,', 'env_int("BI100_DNN_CHUNK", 2048,')
+    assert edited != text, "the adapter's module-level chunk constant"
+    model.write_text(edited)
+    result = cli("verify", FLAGSHIP, "--rootfs", corex_rootfs, *flagship_args, "--json")
+    assert result.code == 1, result.out
+    report = result.json()
+    assert report["ok"] is False
+    assert {r["state"] for r in report["results"]} <= {"ALREADY_APPLIED", "GATED_OFF"}, "every marker in place"
+    changed = [f for f in report["findings"] if f["check"] == "changed-after-apply"]
+    assert [(f["root"], f["file"]) for f in changed] == [(COREX_ROOTS[0], "vllm/model_executor/models/qwen3_5.py")]
+    assert ".toolkit/state.json" in changed[0]["message"] and "rebuild the tree" in changed[0]["message"]
 
 
 def test_verify_catches_crlf_in_deployed_files(cli, corex_rootfs: Path, flagship_args: list[str]) -> None:

@@ -135,15 +135,20 @@ def require_applied(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path,
     from toolkit.engine.verify import verify_tree
 
     try:
-        results = verify_tree(loaded, rootfs_roots(loaded.recipe, rootfs)[:1], rootfs, pinned).results
+        report = verify_tree(loaded, rootfs_roots(loaded.recipe, rootfs)[:1], rootfs, pinned)
     except ToolkitError as exc:
         raise ToolkitError(f"{verb}: --rootfs {rootfs}: cannot check that the recipe is applied there: {exc.message}",
                            hint=exc.hint or "pass --source NAME=PATH") from None
-    missing = sorted({r.transform for r in results if r.state in (State.WOULD_APPLY, State.DRIFTED)})
+    missing = sorted({r.transform for r in report.results if r.state in (State.WOULD_APPLY, State.DRIFTED)})
     if missing:
         raise ToolkitError(
             f"{verb}: --rootfs {rootfs}: the recipe is not applied there: {len(missing)} transform(s) not in place "
             f"({_first_ids(missing)}); nothing was started", hint=fix)
+    changed = sorted({f"{f.root}/{f.file}" for f in report.findings if f.check == "changed-after-apply"})
+    if changed:
+        raise ToolkitError(
+            f"{verb}: --rootfs {rootfs}: {len(changed)} file(s) changed after the recipe was applied there "
+            f"({_first_ids(changed)}): the code there is not the submission's; nothing was started", hint=fix)
 
 
 def try_recipe(loaded: LoadedRecipe, pinned: dict[str, Path], rootfs: Path | None = None,

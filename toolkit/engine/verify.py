@@ -1,5 +1,6 @@
 """Verify: the engine's check mode. Every root carries every marker and post-state (the per-file evaluation that
-plans an apply, checking instead of rewriting), every file compiles and keeps its line endings."""
+plans an apply, checking instead of rewriting), every edited file is byte for byte what the last apply wrote (its
+digest in the root's state file), every file compiles and keeps its line endings."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from packaging.version import InvalidVersion, Version
 
 from toolkit.engine.evaluate import Evaluation, evaluate, gated_off
 from toolkit.engine.plan import Engine
-from toolkit.engine.state import read_state
+from toolkit.engine.state import STATE_FILE, read_state
 from toolkit.inputs import Root, version_with_source
 from toolkit.recipe import LoadedRecipe
 from toolkit.results import Finding, Report, Result, State
@@ -24,11 +25,16 @@ def _verify_sources(engine: Engine, root: Root, version: str | None,
     """Check one root; roots holding byte-identical files share one evaluation (cache keyed by sha256)."""
     results: list[Result] = []
     findings: list[Finding] = []
-    marked = read_state(root.path).get("marked", [])
+    state = read_state(root.path)
+    marked = state.get("marked", [])
     marked = marked if isinstance(marked, list) else []
+    applied = state.get("files", {})
+    applied = applied if isinstance(applied, dict) else {}
     for rel, kinds in engine.edits_by_file.items():
         path = root.path / rel
         data = path.read_bytes() if path.is_file() else None
+        if (changed := _changed_after_apply(rel, data, applied.get(rel))) is not None:
+            findings.append(Finding("changed-after-apply", root.label, rel, changed))
         key = (rel, sha256(data) if data is not None else "missing", *sorted(marked))
         if key not in cache:
             cache[key] = evaluate(rel, data, kinds, version, check=True, marked=marked)
@@ -37,6 +43,19 @@ def _verify_sources(engine: Engine, root: Root, version: str | None,
             findings.append(Finding("compile", root.label, rel, checked.unreadable))
         results.extend(engine.verdict(verdict, root.label, rel) for verdict in checked.states)
     return results, findings
+
+
+def _changed_after_apply(rel: str, data: bytes | None, entry: object) -> str | None:
+    """Why the file at `rel` is not what the last apply wrote there, or None. Markers and post-states show that each
+    edit is present, not that nothing else changed: a hand edit elsewhere in an edited file (a deployed module that
+    transforms then edit has no source digest to compare) is seen against the digest apply recorded of its result."""
+    if not isinstance(entry, dict) or not entry.get("patched") or data is None:
+        return None  # never applied here (verify of a pristine tree says so through its markers), or gone
+    if sha256(data) == entry["patched"]:
+        return None
+    return (f"sha256 {sha256(data)[:12]} is not what apply wrote ({str(entry['patched'])[:12]}, recorded in "
+            f"{STATE_FILE}): the file changed after apply; rebuild the tree from the base image and apply again "
+            "(a change it needs belongs in a transform)")
 
 
 def _lf_findings(label: str, base: Path, files: list[Path], check: str) -> list[Finding]:
