@@ -47,6 +47,29 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)  # made by pytest_configure above
 
 
+# seconds of setup, call and teardown per test file, summed where the reports arrive (xdist's controller): the
+# table that shows which file grew in the run that made it grow
+FILE_SECONDS: dict[str, float] = {}
+SLOWEST_FILES = 15
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    file = report.nodeid.split("::", 1)[0]
+    FILE_SECONDS[file] = FILE_SECONDS.get(file, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if not FILE_SECONDS:
+        return
+    servers = sum(t for file, t in FILE_SECONDS.items() if Path(file).name in SERVER_FILES)
+    terminalreporter.section(f"the {SLOWEST_FILES} slowest test files (setup + call + teardown)")
+    for file, seconds in sorted(FILE_SECONDS.items(), key=lambda item: -item[1])[:SLOWEST_FILES]:
+        scope = "  (servers' worker)" if Path(file).name in SERVER_FILES else ""
+        terminalreporter.write_line(f"{seconds:8.1f} s  {file}{scope}")
+    terminalreporter.write_line(f"{sum(FILE_SECONDS.values()):8.1f} s  all files, summed over the workers; "
+                                f"{servers:.1f} s of it in the server files, which run one after another")
+
+
 # the files whose tests start servers (or an estimate's engine): one xdist scope, so no two of them run at once (a
 # rehearsal and an estimate refuse to start beside another server, and each file's stray-process checks would count
 # the other worker's)
