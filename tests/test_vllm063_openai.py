@@ -1,7 +1,8 @@
 """layers/vllm063-openai.yaml: vLLM 0.6.3's own hermes parser, streamed, and the body that replaces it, driven token
 by token as 0.6.3's serving_chat drives it (its finish fix-up included) in the CPU runtime's vLLM 0.6.3; what a
 client reassembles from the deltas must parse to the arguments the model wrote. The cached-token usage is checked
-end to end by the rehearsal of recipes/bi100-qwen25.yaml (tests/test_rehearse.py)."""
+end to end by the rehearsal of recipes/bi100-qwen25.yaml (tests/test_rehearse.py). The image layer's completion limit
+that must fit the context (layers/corex-3.2.3.yaml), on 0.6.3's own serving_engine and protocol."""
 
 from __future__ import annotations
 
@@ -208,3 +209,77 @@ def test_a_step_that_samples_nothing_returns_no_tokens(vllm_063: Path, tmp_path:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"sequence_063": [[1, 2, 3], 7], "sequence_guarded": [[], 7]}
+
+
+SERVING_ENGINE = "vllm/entrypoints/openai/serving_engine.py"
+PROTOCOL = "vllm/entrypoints/openai/protocol.py"
+# each case: prompt tokens, the request's limits; what 0.6.3's _validate_input then leaves of them and what the
+# sampling gets, or the error it raises (the context is 100 tokens)
+LIMITS = r"""
+import importlib.util, json, sys
+from types import SimpleNamespace
+
+def load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+import vllm.entrypoints.openai  # the package, before its modules are put in place
+protocol = load("vllm.entrypoints.openai.protocol", sys.argv[1])
+serving = load("vllm.entrypoints.openai.serving_engine", sys.argv[2])
+out = []
+for prompt, limits in json.loads(sys.stdin.read()):
+    request = protocol.ChatCompletionRequest(model="llm", messages=[{"role": "user", "content": "hi"}], **limits)
+    try:
+        serving.OpenAIServing._validate_input(SimpleNamespace(max_model_len=100), request, [1] * prompt, "hi")
+    except ValueError as exc:
+        out.append({"error": str(exc)})
+        continue
+    sampling = request.to_sampling_params(100 - prompt)
+    out.append({"max_tokens": request.max_tokens, "max_completion_tokens": request.max_completion_tokens,
+                "sampled": sampling.max_tokens})
+print(json.dumps(out))
+"""
+LIMIT_CASES = [(90, {"max_tokens": 50}), (90, {"max_completion_tokens": 50}), (90, {"max_tokens": 5}),
+               (40, {"max_tokens": 60}), (90, {}), (100, {"max_tokens": 5}), (100, {})]
+
+
+def test_a_completion_limit_beyond_the_context_is_cut_to_the_room_left(vllm_063: Path, tmp_path: Path) -> None:
+    """The platform's replay asks up to 65,536 completion tokens of prompts up to 254,336: 0.6.3 refuses each one
+    whose prompt fits but whose limit does not; the layer serves it with the limit cut to the room the prompt leaves,
+    and a prompt that alone fills the context keeps vLLM's own refusal."""
+    protocol = load_recipe(QWEN25).recipe.transforms
+    context = Context(patches_dir=REPO / "patches" / "src")
+    edits = [edit_kind(t, context) for t in protocol if t.id.startswith("openai-max-completion-tokens")
+             or t.id == "openai-accept-unknown-fields"]
+    patched_protocol = evaluate(PROTOCOL, (vllm_063 / PROTOCOL).read_bytes(), edits, None).text
+    assert patched_protocol is not None
+    (tmp_path / "protocol.py").write_text(patched_protocol, encoding="utf-8")
+    both(vllm_063, SERVING_ENGINE, "openai-completion-limit-fits", tmp_path, ("engine_063", "engine_fits"))
+
+    def run(engine: str) -> list[dict[str, Any]]:
+        proc = subprocess.run([str(runtime()), "-c", LIMITS, str(tmp_path / "protocol.py"),
+                               str(tmp_path / f"{engine}.py")], input=json.dumps(LIMIT_CASES), capture_output=True,
+                              text=True, cwd=tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": str(vllm_063)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result: list[dict[str, Any]] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return result
+
+    refused = ("This model's maximum context length is 100 tokens. However, you requested 105 tokens (100 in the "
+               "messages, 5 in the completion). Please reduce the length of the messages or completion.")
+    assert run("engine_fits") == [
+        {"max_tokens": 10, "max_completion_tokens": None, "sampled": 10},
+        {"max_tokens": None, "max_completion_tokens": 10, "sampled": 10},
+        {"max_tokens": 5, "max_completion_tokens": None, "sampled": 5},
+        {"max_tokens": 60, "max_completion_tokens": None, "sampled": 60},
+        {"max_tokens": None, "max_completion_tokens": None, "sampled": 10},
+        {"error": refused},
+        {"error": "This model's maximum context length is 100 tokens. However, you requested 100 tokens in the "
+                  "messages, Please reduce the length of the messages."}]
+    # vLLM 0.6.3 as shipped: the first request is refused (max_completion_tokens alone is not checked there at all)
+    shipped = run("engine_063")
+    assert shipped[0] == {"error": refused.replace("105 tokens (100 in the messages, 5", "140 tokens (90 in the "
+                                                   "messages, 50")}
+    assert shipped[1] == {"max_tokens": None, "max_completion_tokens": 50, "sampled": 50}
