@@ -67,7 +67,7 @@ def test_submission_layout_and_run_config(built: Path, cli) -> None:
     wheels = sorted(p.name for p in (built / "toolkit_payload/wheels").glob("*.whl"))
     assert any(w.startswith("libcst-") and "cp310" in w for w in wheels)
     raw = (built / "computility-run.yaml").read_text()
-    assert "  - '245000'" in raw  # numbers are quoted strings, as the platform's examples write them
+    assert "  - '262144'" in raw  # numbers are quoted strings, as the platform's examples write them
     config = yaml.safe_load(raw)
     assert set(config) == {"concurrency", "command", "env"}
     assert config["command"][:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
@@ -161,7 +161,7 @@ def test_verify_runs_the_linters(cli, built: Path, tmp_path: Path) -> None:
 def test_verify_checks_run_config_and_payload(cli, built: Path, tmp_path: Path) -> None:
     repo = copy_repo(built, tmp_path)
     config = repo / "computility-run.yaml"
-    config.write_text(config.read_text().replace("'245000'", "'100000'"))
+    config.write_text(config.read_text().replace("'262144'", "'100000'"))
     (repo / "toolkit_payload/patches/native_fastpaths/attention.py").unlink()
     commit_all(repo)
     (repo / "stray.txt").write_text("uncommitted\n")

@@ -71,15 +71,18 @@ def drop_transform(tid: str) -> Callable[[dict[str, Any]], None]:
 CASES: list[tuple[str, Severity, Callable[[dict[str, Any]], None], Callable[[dict[str, Any]], None]]] = [
     ("chunked-prefill-batch", Severity.ERROR,
      set_args(enable_chunked_prefill="false", max_num_batched_tokens=8192),
-     set_args(enable_chunked_prefill="false", max_num_batched_tokens=245000)),
+     set_args(enable_chunked_prefill="false", max_num_batched_tokens=262144)),
     ("chunked-prefill-implicit", Severity.INFO, set_args(enable_chunked_prefill=None), set_args()),
     ("bool-false-omits-flag", Severity.WARNING, set_args(enable_chunked_prefill=False),
-     set_args(enable_chunked_prefill="false", max_num_batched_tokens=245000)),
+     set_args(enable_chunked_prefill="false", max_num_batched_tokens=262144)),
     ("multi-step-backend", Severity.ERROR, set_args(num_scheduler_steps=8), set_args(num_scheduler_steps=1)),
     ("attention-backend", Severity.ERROR, set_env(VLLM_ATTENTION_BACKEND="FLASHINFER"),
      set_env(VLLM_ATTENTION_BACKEND="XFORMERS")),
     ("cuda-graphs", Severity.ERROR, set_args(enforce_eager=None), set_args()),
-    ("context-length", Severity.ERROR, set_args(max_model_len=100000), set_args(max_model_len=245000)),
+    # 13 max-size images of 1280 tokens do not fit the 16384-token step the start profiles them in; 12 do
+    ("mm-profile", Severity.ERROR, set_args(limit_mm_per_prompt="image=13"), set_args(limit_mm_per_prompt="image=12")),
+    # the replay's largest request is 254,336 prompt tokens with a 4,096-token completion limit
+    ("context-length", Severity.ERROR, set_args(max_model_len=245000), set_args(max_model_len=258432)),
     ("kv-cache", Severity.ERROR, set_args(gpu_memory_utilization=0.6),
      both(set_args(gpu_memory_utilization=0.92), lambda d: d["model"].update(layers_block_type=True))),
     ("unknown-flag", Severity.ERROR, set_args(max_num_seq=4),
@@ -242,10 +245,20 @@ def test_kv_estimate_numbers_for_the_flagship(tmp_path: Path) -> None:
     assert kv["accounting"] == "10 full-attention layers (layers_block_type, HYBRID_KV_ACCOUNTING=full_attention)"
     assert kv["kv_per_token_bytes"] == 10 * 2 * 1 * 256 * 2  # 10 layers, K+V, 1 KV head/card, 256, bf16
     assert kv["weights_gib"] == pytest.approx(35e9 * 2 / 4 / 2**30)
-    assert kv["kv_needed_gib"] == pytest.approx(245008 * 10240 / 2**30)
+    assert kv["kv_needed_gib"] == pytest.approx(262144 * 10240 / 2**30)  # 16,384 blocks of 16
     assert kv["fits"] is True and kv["margin"] >= 0.10
     assert kv["budget_gib"] == pytest.approx(32 * 0.90)
     assert kv["kv_available_gib"] / kv["kv_needed_gib"] >= 4  # every one of max-num-seqs 4 at full length
+    # vLLM's default of one image a prompt, profiled at start: 5120 patches through the tower's widest block
+    assert kv["vision_gib"] == pytest.approx(1280 * 4 * (6 * 1152 + 2 * 4304) * 2 / 2**30)
+    twelve = lint(load_recipe(write(tmp_path, set_args(limit_mm_per_prompt="image=12"), "twelve.yaml")))
+    assert twelve.data["kv_estimate"]["vision_gib"] == pytest.approx(12 * kv["vision_gib"])
+    less = kv["kv_available_gib"] - 11 * kv["vision_gib"]
+    assert twelve.data["kv_estimate"]["kv_available_gib"] == pytest.approx(less)
+    [said] = [i for i in twelve.issues if i.rule == "mm-profile"]
+    assert said.severity is Severity.INFO and said.message.startswith(
+        "the start profiles 12 max-size image(s) (15362 tokens of the 16384-token step): 1.78 GiB of vision-tower "
+        "activations at its peak (in the kv-cache budget), 89.7 TFLOP, 0.61 s at the card's 147 TFLOPS peak")
     # the switch decides, as vLLM will: legacy40 counts every layer, and an env without it takes the default
     legacy = lint(load_recipe(write(tmp_path, set_env(HYBRID_KV_ACCOUNTING="legacy40")))).data["kv_estimate"]
     assert legacy["attention_layers"] == 40 and legacy["kv_per_token_bytes"] == 40960
@@ -465,6 +478,29 @@ def test_a_platform_rule_is_a_warning_for_a_diagnostic_run_and_stays_an_error_fo
     assert warning.line == error.line and warning.fix == error.fix  # still where to fix it, and how
 
 
+def test_the_context_rule_names_the_largest_request_or_the_context_it_must_exceed(tmp_path: Path) -> None:
+    [largest] = issues_of(write(tmp_path, set_args(max_model_len=245000)), "context-length")
+    assert largest.message == ("max_model_len 245000 refuses the workload's largest request (254,336 prompt tokens "
+                               "with a 4,096-token completion limit: 258,432 tokens): vLLM answers it HTTP 400 before "
+                               "a token")
+    assert largest.fix == "set max-model-len to at least 258432"
+    written = tmp_path / "r.yaml"
+    assert largest.origin is not None and largest.origin.file == str(written)
+    assert written.read_text().splitlines()[largest.origin.line - 1].strip() == "max-model-len: 245000"
+    assert issues_of(write(tmp_path, set_args(max_model_len=258432), "exact.yaml"), "context-length") == []
+
+    def rounded(data: dict[str, Any]) -> None:
+        data["serve"]["workload"] = {"min_context_tokens": 235000}
+
+    [rounded_up] = issues_of(write(tmp_path, both(rounded, set_args(max_model_len=235000)), "r2.yaml"),
+                             "context-length")
+    assert rounded_up.message == "max_model_len 235000 does not exceed the workload's 235000 tokens"
+    half = write(tmp_path, lambda d: d["serve"]["workload"].pop("largest_prompt_completion_limit"), "half.yaml")
+    with pytest.raises(RecipeError, match="largest_prompt_tokens and largest_prompt_completion_limit describe one "
+                                          "request: give both or neither"):
+        load_recipe(half)
+
+
 def test_what_vllm_refuses_stays_an_error_for_a_diagnostic_run(tmp_path: Path) -> None:
     refused = load_recipe(write(tmp_path, both(set_args(max_model_len=100000, enable_chunked_prefill="false",
                                                         max_num_batched_tokens=8192))))
@@ -479,7 +515,8 @@ def test_build_refuses_the_short_context_copy_that_a_diagnostic_run_takes(cli: A
     out = tmp_path / "sub"
     result = cli("build", short, "-o", out, "--json")
     assert result.code == 2 and not out.exists(), result.out + result.err
-    assert "context-length" in result.err and "does not exceed the workload's 235000 tokens" in result.err
+    assert "context-length" in result.err and "max_model_len 100000 refuses the workload's largest request " \
+        "(254,336 prompt tokens with a 4,096-token completion limit: 258,432 tokens)" in result.err
     assert "the recipe would not be accepted as a submission; lint found 1 error(s)" in result.err
     assert "preflight, rehearse, estimate and experiment run it as it is" in result.err
 

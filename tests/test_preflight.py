@@ -23,7 +23,7 @@ from toolkit.runtime import standins
 from toolkit.runtime.env import runtime
 from toolkit.runtime.preflight import emulated_devices
 
-VENDOR_MESSAGE = "max_num_batched_tokens (8192) is smaller than max_model_len (245000)"
+VENDOR_MESSAGE = "max_num_batched_tokens (8192) is smaller than max_model_len (262144)"
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +104,7 @@ def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, adapt
     assert (legacy["attention_layers"], legacy["block_bytes"]) == (40, 655360)
     said = next(n for n in notes if n.startswith("base: KV:"))
     assert "10240 B/token/card, agrees with lint" in said
-    per_card = float(said.split(" sequence(s) of 245000 tokens fit per card")[0].rsplit(" ", 1)[1])
+    per_card = float(said.split(" sequence(s) of 262144 tokens fit per card")[0].rsplit(" ", 1)[1])
     assert per_card >= 4, said
     assert "legacy40: 40 layers, 655360 B per block" in said
 
@@ -353,6 +353,17 @@ def test_real_roots_build_and_preflight_with_the_adapters_own_files(cli, python:
     assert changed.code == 0 and not changed.json()["notes"][0].endswith("remembered from an earlier run on the "
                                                                           "same files"), changed.json()["notes"][0]
     assert by_variant(changed) == by_variant(result)
+    # an applied file edited by hand is not the submission's code either, though every marker is in place
+    model = vendor / "model_executor/models/qwen3_5.py"
+    applied = model.read_bytes()
+    model.write_bytes(applied.replace(b'env_int("BI100_DNN_CHUNK", 4096,', b'env_int("BI100_DNN_CHUNK", 2048,'))
+    try:
+        edited = cli("preflight", FLAGSHIP, "--rootfs", corex_rootfs, *args, "--json")
+    finally:
+        model.write_bytes(applied)
+    assert edited.code == 2, edited.out[-3000:]
+    assert "1 file(s) changed after the recipe was applied there" in edited.json()["error"], edited.out[-3000:]
+    assert "vllm/model_executor/models/qwen3_5.py" in edited.json()["error"]
     # that the roots hold the adapter's files is checked against the adapter: without it, refused naming it (and
     # not as a tree to build: preflight builds none with --rootfs)
     bare = cli("preflight", FLAGSHIP, "--rootfs", corex_rootfs, "--package-root", f"transformers={site}", "--json")
@@ -535,5 +546,6 @@ def test_a_short_context_copy_preflights_with_a_warning_that_it_is_not_a_submiss
     [variant] = result.json()["variants"]
     assert variant["starts"] and variant["lint_errors"] == [] and variant["config"]["max_model_len"] == 100000
     [said] = variant["not_a_submission"]
-    assert said.startswith("context-length: max_model_len 100000 does not exceed the workload's 235000 tokens")
+    assert said.startswith("context-length: max_model_len 100000 refuses the workload's largest request (254,336 "
+                           "prompt tokens with a 4,096-token completion limit: 258,432 tokens)")
     assert f"base: preflighted, but not a submission: {said}" in result.json()["notes"]

@@ -58,7 +58,7 @@ def test_the_substitutions_are_recorded_and_nothing_else_changes(tmp_path: Path)
     said = {s.flag: (s.served, s.rehearsed) for s in subs}
     assert said == {"python3": ("python3", "/py"), "--model": ("/model", "/tiny"), "--host": ("0.0.0.0", "127.0.0.1"),
                     "--port": ("8000", "8123"), "--tensor-parallel-size": ("4", "2"),
-                    "--max-model-len": ("245000", str(model.MAX_MODEL_LEN)),
+                    "--max-model-len": ("262144", str(model.MAX_MODEL_LEN)),
                     "--max-num-batched-tokens": ("16384", str(model.BATCH_TOKENS)),
                     "--chat-template": (TEMPLATE, str(tmp_path / TEMPLATE.lstrip("/"))),
                     "--swap-space": (None, "0")}
@@ -766,10 +766,10 @@ def test_chunking_is_decided_as_vllm_decides_it_for_the_served_argv() -> None:
         return argv, {s.flag: s for s in subs}
 
     without = [c for c in config["command"] if c != "--enable-chunked-prefill"]
-    # no flag, 245000 tokens: vLLM 0.6.3 chunks by itself, and the rehearsal says so where the tiny length would not
+    # no flag, 262144 tokens: vLLM 0.6.3 chunks by itself, and the rehearsal says so where the tiny length would not
     argv, said = rehearsed(without)
     assert "--enable-chunked-prefill" in argv and said["--enable-chunked-prefill"].served is None
-    assert "turns chunked prefill on by itself for the served --max-model-len 245000" in \
+    assert "turns chunked prefill on by itself for the served --max-model-len 262144" in \
         said["--enable-chunked-prefill"].why
     assert experiment.flag_value(argv, "--max-num-batched-tokens") == str(model.BATCH_TOKENS)
     # a tree whose auto rule a transform took out (the adapter's): only the flag decides

@@ -169,6 +169,33 @@ TRANSFORM_MODELS: dict[str, type[TransformBase]] = {name: k.model for name, k in
 ArgValue = str | int | float | bool | list[str] | None
 
 
+class Workload(Strict):
+    """What the evaluation sends that the serving arguments must hold (lint's context-length rule reads it)."""
+
+    min_context_tokens: int | None = Field(
+        default=None, ge=1, description="A context the workload needs more than (max-model-len must exceed it)")
+    largest_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="The workload's largest prompt, in the model's tokens (the platform's "
+        "replay: 254336, its request 113)")
+    largest_prompt_completion_limit: int | None = Field(
+        default=None, ge=1, description="The completion limit (max_completion_tokens) that largest prompt asks: "
+        "vLLM refuses it unless prompt plus limit fit max-model-len (the platform's replay: 4096)")
+
+    @model_validator(mode="after")
+    def _largest_whole(self) -> Workload:
+        if (self.largest_prompt_tokens is None) != (self.largest_prompt_completion_limit is None):
+            raise ValueError("largest_prompt_tokens and largest_prompt_completion_limit describe one request: give "
+                             "both or neither")
+        return self
+
+    @property
+    def largest_request(self) -> int | None:
+        """The context the largest prompt needs with its completion limit, or None when not declared."""
+        if self.largest_prompt_tokens is None or self.largest_prompt_completion_limit is None:
+            return None
+        return self.largest_prompt_tokens + self.largest_prompt_completion_limit
+
+
 class Serve(Strict):
     module: DottedName = Field(default="vllm.entrypoints.openai.api_server", description="python3 -m MODULE")
     workdir: str = Field(default="/workspace", description="Neutral working directory (no vllm/ folder in it)")
@@ -177,9 +204,8 @@ class Serve(Strict):
         default_factory=dict,
         description="Server flags without leading dashes; true = bare flag, false/null = omitted",
     )
-    workload: dict[str, int] = Field(
-        default_factory=dict, description="What the evaluation needs, e.g. min_context_tokens: 235000"
-    )
+    workload: Workload = Field(default_factory=Workload, description="What the evaluation sends that the serving "
+                               "arguments must hold")
 
 
 class LinearAttention(Strict):
@@ -223,6 +249,17 @@ class KvAccountingSwitch(Strict):
         return self
 
 
+class VisionTower(Strict):
+    """The vision tower of a multimodal model, as the start's profile runs it (lint: mm-profile and the KV budget)."""
+
+    max_image_tokens: int = Field(ge=1, description="The language-model tokens one max-size image becomes (the "
+                                  "adapter's _MAX_IMAGE_TOKENS: 1280); the start profiles each allowed image at this")
+    hidden_size: int = Field(ge=1, description="The tower's width (vision_config.hidden_size)")
+    intermediate_size: int = Field(ge=1, description="Its MLP's width (vision_config.intermediate_size)")
+    depth: int = Field(ge=1, description="Its blocks (vision_config.depth)")
+    spatial_merge_size: int = Field(default=2, ge=1, description="Patches merged per side into one token")
+
+
 class ModelShape(Strict):
     """What the KV-cache estimate needs to know about the served model."""
 
@@ -238,6 +275,8 @@ class ModelShape(Strict):
     moe: MixtureOfExperts | None = Field(default=None, description="The MLP's routed experts (toolkit estimate "
                                          "counts the served path at these widths)")
     vocab_size: int | None = Field(default=None, ge=1, description="The LM head's rows (toolkit estimate)")
+    vision: VisionTower | None = Field(default=None, description="The vision tower, where the served model takes "
+                                       "images (vLLM profiles --limit-mm-per-prompt max-size images at start)")
     architecture: Identifier | None = Field(
         default=None, description="The architecture the served config.json declares, e.g. Qwen3_5MoeForCausalLM "
         "(preflight resolves it through the patched registry)")

@@ -117,6 +117,19 @@ class LintContext:
         return chunked_prefill_effective(self.arg("enable-chunked-prefill"), self.int_arg("max-model-len"),
                                          self.vllm_version)
 
+    def images_per_prompt(self) -> int:
+        """The images one prompt may carry (--limit-mm-per-prompt image=N, vLLM's `key=value,...`); vLLM's default
+        is 1; a value it cannot read is the unknown-flag rule's and preflight's to refuse, and counts as the
+        default here."""
+        value = self.arg("limit-mm-per-prompt")
+        if not isinstance(value, str):
+            return 1
+        for item in value.split(","):
+            key, _, count = item.partition("=")
+            if key.strip() == "image" and count.strip().isdigit():
+                return int(count)
+        return 1
+
     def max_num_batched_tokens(self) -> int | None:
         explicit = self.int_arg("max-num-batched-tokens")
         if explicit is not None:

@@ -12,7 +12,7 @@ from packaging.version import Version
 
 from toolkit.lint import engine_client
 from toolkit.lint.context import LintContext, rule
-from toolkit.lint.kv import GIB, estimate, linear_state_bytes
+from toolkit.lint.kv import GIB, estimate, linear_state_bytes, vision_profile
 from toolkit.lint.vllm_cli import (
     flags_in_source,
     python_files,
@@ -125,15 +125,56 @@ def cuda_graphs(ctx: LintContext) -> Iterator[Issue]:
 
 @rule("context-length", E, "max_model_len below what the workload needs", platform=True)
 def context_length(ctx: LintContext) -> Iterator[Issue]:
-    need = ctx.recipe.serve.workload.get("min_context_tokens")
+    workload = ctx.recipe.serve.workload
     max_len = ctx.int_arg("max-model-len")
+    origin = ctx.origin_of_arg("max-model-len") if max_len is not None else ctx.loaded.origin("serve", "args")
+    largest = workload.largest_request
+    if largest is not None:
+        request = (f"the workload's largest request ({workload.largest_prompt_tokens:,} prompt tokens with a "
+                   f"{workload.largest_prompt_completion_limit:,}-token completion limit: {largest:,} tokens)")
+        if max_len is None:
+            yield Issue("context-length", W, f"max-model-len is not set: whether the model's own limit holds {request} "
+                        "is not known here", f"set max-model-len to at least {largest}", origin)
+        elif max_len < largest:
+            yield Issue("context-length", E, f"max_model_len {max_len} refuses {request}: vLLM answers it HTTP 400 "
+                        "before a token", f"set max-model-len to at least {largest}", origin)
+    need = workload.min_context_tokens
     if need and max_len is None:
         yield Issue("context-length", W, f"the workload needs more than {need} tokens of context but "
-                    "max-model-len is not set (the model's own limit applies)",
-                    f"set max-model-len above {need}", ctx.loaded.origin("serve", "args"))
+                    "max-model-len is not set (the model's own limit applies)", f"set max-model-len above {need}",
+                    origin)
     elif need and max_len is not None and max_len <= need:
         yield Issue("context-length", E, f"max_model_len {max_len} does not exceed the workload's {need} tokens",
-                    f"set max-model-len above {need} (245000 is used)", ctx.origin_of_arg("max-model-len"))
+                    f"set max-model-len above {need}", origin)
+
+
+@rule("mm-profile", E, "the max-size images vLLM profiles at start must fit one step")
+def mm_profile(ctx: LintContext) -> Iterator[Issue]:
+    model = ctx.recipe.model
+    if model is None or model.vision is None:
+        return
+    vision, images = model.vision, ctx.images_per_prompt()
+    batch = ctx.max_num_batched_tokens() or ctx.int_arg("max-model-len")
+    origin = ctx.origin_of_arg("limit-mm-per-prompt") if ctx.arg("limit-mm-per-prompt") is not None else \
+        ctx.loaded.origin("serve", "args")
+    need = images * vision.max_image_tokens + 2  # the image tokens and their two delimiters, in one sequence
+    if batch is not None and need > batch:
+        most = (batch - 2) // vision.max_image_tokens
+        yield Issue("mm-profile", E, f"vLLM profiles {images} max-size image(s) of {vision.max_image_tokens} tokens "
+                    f"in one sequence at start: {need} tokens, above the {batch} a step holds "
+                    "(max-num-batched-tokens): the model's dummy data refuses it and the server does not start",
+                    f"set limit-mm-per-prompt to image={most} or fewer, or raise max-num-batched-tokens to {need}",
+                    origin)
+        return
+    dtype = {"bfloat16": 2, "float16": 2, "float32": 4}[model.dtype]
+    peak, flops = vision_profile(vision, images, dtype)
+    peak_tflops = (ctx.recipe.hardware.peak_tflops or {}).get(model.dtype, 0.0)
+    at = f", {flops / (peak_tflops * 1e12):.2f} s at the card's {peak_tflops:g} TFLOPS peak" if peak_tflops else ""
+    step = f"{batch}-token step" if batch is not None else "step"
+    yield Issue("mm-profile", INFO, f"the start profiles {images} max-size image(s) ({need} tokens of the {step}): "
+                f"{peak / 2**30:.2f} GiB of vision-tower activations at its peak (in the kv-cache budget), "
+                f"{flops / 1e12:.1f} TFLOP{at}", "each image more a prompt may carry costs as much at every start",
+                origin)
 
 
 @rule("kv-cache", E, "the KV cache for one max-length sequence must fit per card")
@@ -152,7 +193,8 @@ def kv_cache(ctx: LintContext) -> Iterator[Issue]:
                    max_num_seqs=ctx.int_arg("max-num-seqs", 256) or 256,
                    max_num_batched_tokens=ctx.max_num_batched_tokens() or max_len,
                    gpu_memory_utilization=ctx.float_arg("gpu-memory-utilization", 0.9),
-                   kv_cache_dtype=str(ctx.arg("kv-cache-dtype") or "auto"), env=dict(ctx.recipe.env))
+                   kv_cache_dtype=str(ctx.arg("kv-cache-dtype") or "auto"), env=dict(ctx.recipe.env),
+                   images=ctx.images_per_prompt())
     ctx.extra["kv_estimate"] = est.as_json()
     if not est.fits:
         yield Issue("kv-cache", E, f"the KV cache cannot hold one {max_len}-token sequence: {est.summary()}",
