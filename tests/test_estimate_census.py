@@ -208,3 +208,39 @@ def test_a_census_whose_rank_dies_ends_at_once_with_that_ranks_error(switched: t
         assert _census_processes() == [], "no rank of a failed census outlives it"
     finally:
         _stop_all(process)
+
+
+# a rank that raises in its step loop stays alive (vLLM's worker process catches the exception and waits for its
+# next task) while rank 0 waits for it in the next collective: gloo's timeout is 30 minutes
+RAISING = """
+transforms:
+  - id: test-rank-1-raises
+    kind: statements
+    file: vllm/worker/worker_base.py
+    scope: LocalOrDistributedWorkerBase.execute_model
+    after: model_input, worker_input, kwargs = inputs
+    new: |
+      if not self.is_driver_worker:
+          type(self).test_steps = getattr(type(self), "test_steps", 0) + 1
+          if type(self).test_steps == 8:
+              raise RuntimeError("a rank's failure, injected by tests/test_estimate_census.py")
+    why: the other ranks' failure mode that ends no process
+    remove_when: never (a test's mutant)
+"""
+
+
+def test_a_census_whose_rank_raises_ends_at_once_with_that_ranks_error(switched: tuple[Any, Path, Inputs, Path],
+                                                                        tmp_path: Path) -> None:
+    _, _, inputs, config = switched
+    recipe = _recipe(tmp_path / "raising")
+    recipe.write_text(recipe.read_text(encoding="utf-8") + RAISING, encoding="utf-8")
+    started = time.monotonic()
+    with pytest.raises(ToolkitError) as raised:
+        estimate(EstimateRequest(recipe, inputs, variant="base", tp=2, requests=2, max_tokens=4, model_config=config,
+                                 output=tmp_path / "run"))
+    assert time.monotonic() - started < 300, "ended within seconds of the failure, not at gloo's timeout"
+    said = raised.value.message
+    assert said.startswith("the census of the served path stopped: rank 1 (pid "), said[:600]
+    assert "logged: Exception in worker VllmWorkerProcess while processing method start_worker_execution_loop: " \
+        "a rank's failure, injected by tests/test_estimate_census.py" in said, said[:600]
+    assert _census_processes() == [], "no rank of a failed census outlives it"

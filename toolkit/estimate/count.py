@@ -160,7 +160,7 @@ def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: i
         process = subprocess.Popen([str(python), census_steps.__file__, str(plan_file)], cwd=folder, env=full_env,
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code, failed = _watch(process, records)
+            code, failed = _watch(process, records, labels_file)
         finally:
             # the engine's workers are in its session, and spin when their driver is gone: none outlives the census,
             # however it ends (an error, Ctrl-C, a SIGTERM)
@@ -181,14 +181,17 @@ def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: i
     return counted
 
 
-def _watch(process: subprocess.Popen[bytes], records: Path) -> tuple[int | None, list[dict[str, Any]]]:
+def _watch(process: subprocess.Popen[bytes], records: Path, labels: Path) -> tuple[int | None, list[dict[str, Any]]]:
     """Wait for the census: its exit code, or None with the failures a rank wrote (the other ranks would wait on it
-    in a collective for gloo's 30 minutes), or None and none past CENSUS_TIMEOUT_S."""
+    in a collective for gloo's 30 minutes), or None and none past CENSUS_TIMEOUT_S. Once every step ran (the steps'
+    labels are written), a rank that dies is the engine's shutdown (multiprocessing ends its workers at exit, and
+    vLLM's monitor logs each as dead): the census waits for its exit code."""
     deadline = time.monotonic() + CENSUS_TIMEOUT_S
     while time.monotonic() < deadline:
         with contextlib.suppress(subprocess.TimeoutExpired):
             return process.wait(WATCH_S), []
-        if failed := census.failures(records):
+        failed = census.failures(records)  # read before the labels: a shutdown's failure follows them
+        if failed and not labels.exists():
             return None, failed
     return None, []
 
