@@ -208,7 +208,14 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert f"max_completion_tokens alone limited the answer to {model.MAX_TOKENS} tokens" in \
         checks["multi-system"]["detail"], checks["multi-system"]
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "kernels", "weights",
-                           "cache-hits", "prefix-cache", "answers"}
+                           "cache-hits", "prefix-cache", "answers", "completion-limit", "tool-call-index",
+                           "still-serving"}
+    # the replay's shapes: a limit beyond the context answered with the room left, an echoed tool-call index
+    # accepted, and the server still answering after every other check's requests
+    assert re.search(r"^a 122\d\d-token prompt with max_tokens, then max_completion_tokens 4096 at the rehearsed "
+                     r"12288-token context answered its \d+ tokens of room, ending 'length'",
+                     checks["completion-limit"]["detail"]), checks["completion-limit"]
+    assert checks["still-serving"]["ok"] and checks["tool-call-index"]["ok"]
     # the kernels the tiny model reaches in float16 ran, each computed by its reference, counted
     assert re.search(r"^called: corex_gdn_causal_conv x\d+, corex_attn_head_rms_norm x\d+; not reachable by the "
                      r"rehearsed model \(float16, TP 2;", checks["kernels"]["detail"]), checks["kernels"]
@@ -255,7 +262,8 @@ def test_the_second_model_rehearses_with_every_check_ok(tmp_path: Path) -> None:
     report = rehearse_cmd(RehearseRequest(REPO / "recipes/bi100-qwen25.yaml", Inputs(), output=tmp_path / "run"))
     checks = _checks(report)
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "kernels", "weights",
-                           "cache-hits", "prefix-cache", "answers"}
+                           "cache-hits", "prefix-cache", "answers", "completion-limit", "tool-call-index",
+                           "still-serving"}
     assert checks["kernels"]["result"] == "n/a", checks["kernels"]
     assert not [c for c in checks.values() if not c["ok"]], checks
     assert "the tool parser hermes split them as the client expects" in checks["parsers"]["detail"]
@@ -551,6 +559,51 @@ def test_a_decode_reading_the_wrong_block_fails_the_answers_against_a_fresh_pref
     print(detail)
     assert not checks["answers"]["ok"] and "decode differs from prefill: " in detail, detail
     assert "TP 1 is the rehearsed size" not in detail  # a failed check says what failed, not what it skipped
+    assert stray_processes() == []
+
+
+def test_the_replays_refused_shapes_fail_their_checks_on_a_tree_without_their_transforms(
+        tmp_path: Path, adapter_args: list[str]) -> None:
+    """The platform's failure classes, each on the tree that failed it there: without the completion-limit cut a
+    limit beyond the context is refused; with the protocol's extra="forbid" an echoed tool-call index is; neither
+    ends the engine. Then a tree whose engine dies on a long prefill: the short request after it fails."""
+    def refusing(data: dict[str, Any]) -> None:
+        gone = {"openai-completion-limit-fits", "openai-accept-unknown-fields"}
+        data["transforms"] = [t for t in data["transforms"] if t["id"] not in gone]
+
+    report = rehearse_cmd(RehearseRequest(recipe_copy(tmp_path / "refusing", refusing), _sources(adapter_args),
+                                          output=tmp_path / "run",
+                                          checks=("completion-limit", "tool-call-index", "still-serving")))
+    checks = _checks(report)
+    assert report.exit_code == 1 and checks["start"]["ok"], checks
+    limit = checks["completion-limit"]
+    # vLLM 0.6.3 refuses max_tokens with the platform's message, and runs max_completion_tokens one token past the
+    # context
+    assert not limit["ok"] and "with max_tokens 4096 at a 12288-token context was answered HTTP 400: This model's " \
+        "maximum context length is 12288 tokens. However, you requested " in limit["detail"], limit
+    assert re.search(r"with max_completion_tokens 4096 at a 12288-token context answered (\d+) tokens ending "
+                     r"'length', not the \d+ left", limit["detail"]), limit
+    index = checks["tool-call-index"]
+    assert not index["ok"] and index["detail"].startswith("HTTP 400: ") and "Extra inputs are not permitted" in \
+        index["detail"], index
+    assert checks["still-serving"]["ok"], "a refused request ends nothing"
+
+    dying = recipe_copy(tmp_path / "dying", _mutant(
+        "mutant-engine-dies-on-a-long-prefill", "vllm/worker/worker_base.py",
+        "LocalOrDistributedWorkerBase.execute_model",
+        "if self.is_driver_worker and execute_model_req is not None and any(\n"
+        "        s.get_len() > 12000 for g in execute_model_req.seq_group_metadata_list\n"
+        "        for s in g.seq_data.values()):\n"
+        "    raise RuntimeError('mutant: the engine dies on a long prefill')"))
+    report = rehearse_cmd(RehearseRequest(dying, _sources(adapter_args), output=tmp_path / "dead",
+                                          checks=("completion-limit", "still-serving")))
+    checks = _checks(report)
+    assert report.exit_code == 1, checks
+    limit = checks["completion-limit"]
+    # the request that ended the engine fails with the server's own error, located
+    assert not limit["ok"] and "RuntimeError: mutant: the engine dies on a long prefill" in limit["detail"], limit
+    still = checks["still-serving"]
+    assert not still["ok"] and still["detail"].startswith("after the other checks' requests: HTTP "), still
     assert stray_processes() == []
 
 

@@ -29,15 +29,18 @@ def _start_check(stage: Stage, spec: ServerSpec) -> Check:
 
 def _hand(name: str, live: Live, users: list[RehearsalCheck]) -> None:
     """The server to every check that needs it: one after the other, then the concurrent ones at once (the server
-    batches their steps)."""
+    batches their steps), then the last ones."""
     for check in users:
-        if not check.concurrent:
+        if not check.concurrent and not check.last:
             check.on(name, live)
     concurrent = [check for check in users if check.concurrent]
     if concurrent:
         with ThreadPoolExecutor(max_workers=len(concurrent)) as pool:
             for future in [pool.submit(check.on, name, live) for check in concurrent]:
                 future.result()
+    for check in users:
+        if check.last:
+            check.on(name, live)
 
 
 def _ordered(checks: list[Check]) -> list[Check]:

@@ -38,11 +38,12 @@ class Run:
 class RehearsalCheck:
     """One check. The orchestrator asks `not_applicable` before anything starts, starts each server some check
     `needs` once (in the registry of servers' order), hands it to `on` of every check that needs it (the
-    `concurrent` ones at once, after the others), and reports `verdict`."""
+    `concurrent` ones at once, after the others; the `last` ones after all of them), and reports `verdict`."""
 
     name: ClassVar[str]
     summary: ClassVar[str]  # what it checks, in a few words (--help)
     concurrent: ClassVar[bool] = False  # its requests may go beside the other concurrent checks' (batched steps)
+    last: ClassVar[bool] = False  # its requests go after every other check's on the server (still serving?)
     servers: ClassVar[tuple[str, ...]]  # the servers it needs (of servers.SERVERS)
 
     def __init__(self, run: Run) -> None:
