@@ -363,6 +363,9 @@ class Source(Strict):
         return None if value is None else relative_path(value.rstrip("/"))
     provides_flags: list[str] = Field(default_factory=list, description="Server flags its CLI module adds")
     provides_tool_parsers: list[str] = Field(default_factory=list)
+    registers_multimodal: bool = Field(
+        default=False, description="Its model module makes the served architecture multimodal in vLLM's registry: "
+        "vLLM takes --limit-mm-per-prompt only then, so preflight checks that flag only where the source's files are")
 
 
 class Package(Strict):

@@ -34,6 +34,19 @@ def explicit_chunked_prefill(value: ArgValue) -> bool | None:
     return None
 
 
+def images_per_prompt(value: ArgValue) -> int:
+    """The images one prompt may carry, from --limit-mm-per-prompt's value (vLLM's `key=value,...`, e.g. `image=12`);
+    vLLM's default is 1; a value it cannot read is the unknown-flag rule's and preflight's to refuse, and counts as
+    the default here."""
+    if not isinstance(value, str):
+        return 1
+    for item in value.split(","):
+        key, _, count = item.partition("=")
+        if key.strip() == "image" and count.strip().isdigit():
+            return int(count)
+    return 1
+
+
 def chunked_prefill_effective(value: ArgValue, max_model_len: int | None, version: Version,
                               auto: bool = True) -> bool:
     """Whether vLLM chunks prefills: the flag's value when given, else (`auto`: the tree still has vLLM's rule)
@@ -118,17 +131,7 @@ class LintContext:
                                          self.vllm_version)
 
     def images_per_prompt(self) -> int:
-        """The images one prompt may carry (--limit-mm-per-prompt image=N, vLLM's `key=value,...`); vLLM's default
-        is 1; a value it cannot read is the unknown-flag rule's and preflight's to refuse, and counts as the
-        default here."""
-        value = self.arg("limit-mm-per-prompt")
-        if not isinstance(value, str):
-            return 1
-        for item in value.split(","):
-            key, _, count = item.partition("=")
-            if key.strip() == "image" and count.strip().isdigit():
-                return int(count)
-        return 1
+        return images_per_prompt(self.arg("limit-mm-per-prompt"))
 
     def max_num_batched_tokens(self) -> int | None:
         explicit = self.int_arg("max-num-batched-tokens")

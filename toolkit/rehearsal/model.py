@@ -16,6 +16,10 @@ BATCH_TOKENS = 256
 # the prompts that chunk stay short (measured: a fast-path mutant's rehearsal took 71 s with prompts grown 4x for
 # the large budget, 35 s with these)
 MULTIMODAL_BATCH_TOKENS = 1536
+# a run config that lets a prompt carry several images is rehearsed with two (the several-images check sends two):
+# its start profiles two max-size images in one sequence (2 x 1,280 + 2 tokens), so its served server gets this budget
+SEVERAL_IMAGES = 2
+SEVERAL_IMAGES_BATCH_TOKENS = 2688
 # the KV cache the vendor sizes from the emulated card's memory is allocated in this machine's memory (the start's
 # profile run of a MULTIMODAL_BATCH_TOKENS prefill with its image must leave room for it)
 DEVICE_MEMORY_GB = 2.0

@@ -8,14 +8,12 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
-
 from toolkit.bench.serve import stray_processes
 from toolkit.errors import ToolkitError
 from toolkit.recipe import Recipe
 from toolkit.rehearsal.checks import CHECKS, RehearsalCheck, Run, refuse_unknown_checks
 from toolkit.rehearsal.model import DEVICE_MEMORY_GB, Check, Rehearsal, not_applicable
-from toolkit.rehearsal.servers import SERVERS, Live, Say, ServerSpec, Stage, StartFailed, start
+from toolkit.rehearsal.servers import SERVERS, Live, Say, ServerSpec, Stage, StartFailed, argv_of, start
 from toolkit.runtime.preflight import Tree
 
 
@@ -64,7 +62,7 @@ def rehearse(recipe: Recipe, variant: str, run_config: str, tree: Tree, python: 
     if strays:
         raise ToolkitError("refusing to rehearse beside a running server: " + "; ".join(strays),
                            hint="stop it first: its workers would share this machine's cores and memory")
-    run = Run(stage, [str(item) for item in (yaml.safe_load(run_config).get("command") or [])], wanted)
+    run = Run(stage, argv_of(run_config), wanted)
     active: list[RehearsalCheck] = []
     results: list[Check] = []
     for name, kind in CHECKS.items():

@@ -20,7 +20,12 @@ from toolkit.bench import experiment
 from toolkit.bench.serve import Server, free_port, port_in_use
 from toolkit.errors import ToolkitError
 from toolkit.inputs import cache_dir
-from toolkit.lint.context import AUTO_CHUNKED_ABOVE, chunked_prefill_effective, explicit_chunked_prefill
+from toolkit.lint.context import (
+    AUTO_CHUNKED_ABOVE,
+    chunked_prefill_effective,
+    explicit_chunked_prefill,
+    images_per_prompt,
+)
 from toolkit.recipe import ArgValue, Recipe
 from toolkit.rehearsal.locate import locate
 from toolkit.rehearsal.model import (
@@ -28,6 +33,8 @@ from toolkit.rehearsal.model import (
     COMPARED_DTYPE,
     MAX_MODEL_LEN,
     MULTIMODAL_BATCH_TOKENS,
+    SEVERAL_IMAGES,
+    SEVERAL_IMAGES_BATCH_TOKENS,
     START_TIMEOUT_S,
     SWAP_SPACE_GB,
     TOKEN_IDS_FLAG,
@@ -117,6 +124,11 @@ def auto_chunks(tree: Tree) -> bool:
     return True
 
 
+def argv_of(run_config: str) -> list[str]:
+    """The run config's argv, as the platform runs it."""
+    return [str(item) for item in (yaml.safe_load(run_config).get("command") or [])]
+
+
 def server_command(run_config: str, python: Path, model: Path, port: int, tp: int, rootfs: Path | None = None,
                    version: str = "0.6.3", auto_chunk: bool = True, batch_tokens: int = BATCH_TOKENS
                    ) -> tuple[list[str], dict[str, str], list[Substitution]]:
@@ -126,7 +138,7 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
     Chunked prefill as vLLM `version` decides it for the served argv (`auto_chunk`: the tree still turns it on
     above 32K), said explicitly where the tiny length would not trigger it, in chunks of `batch_tokens`. Everything
     else is the run config's."""
-    served = [str(item) for item in (yaml.safe_load(run_config).get("command") or [])]
+    served = argv_of(run_config)
     argv, env = experiment.server_command(run_config, python, model, port)
     subs = [Substitution("python3", served[0], str(python), "the CPU runtime's Python")]
     flag = "--enable-chunked-prefill"
@@ -254,11 +266,20 @@ def start(stage: Stage, spec: ServerSpec, port: int | None = None,
     tp = spec.tp or stage.tp
     multimodal = stage.multimodal()
     text_only = spec.text_only and multimodal
+    images = images_per_prompt(experiment.flag_value(argv_of(stage.run_config), "--limit-mm-per-prompt"))
+    several = multimodal and not text_only and images > 1
+    budget = SEVERAL_IMAGES_BATCH_TOKENS if several else MULTIMODAL_BATCH_TOKENS if multimodal and not text_only \
+        else BATCH_TOKENS
     argv, env, subs = server_command(stage.run_config, stage.python, stage.model, port, tp, stage.image,
-                                     stage.recipe.vendor.reference_version, auto_chunks(stage.tree),
-                                     MULTIMODAL_BATCH_TOKENS if multimodal and not text_only else BATCH_TOKENS)
+                                     stage.recipe.vendor.reference_version, auto_chunks(stage.tree), budget)
     if text_only:
         argv = experiment.set_flag(argv, "--limit-mm-per-prompt", "image=0")
+    elif several and images != SEVERAL_IMAGES:
+        argv = experiment.set_flag(argv, "--limit-mm-per-prompt", f"image={SEVERAL_IMAGES}")
+        subs.append(Substitution("--limit-mm-per-prompt", f"image={images}", f"image={SEVERAL_IMAGES}",
+                                 f"the start profiles that many max-size images in one step; {SEVERAL_IMAGES} fit the "
+                                 f"tiny model's {SEVERAL_IMAGES_BATCH_TOKENS}-token step and are what several-images "
+                                 "sends"))
     if spec.prefix_caching is False:
         argv = [a for a in argv if a != "--enable-prefix-caching"]
     elif spec.prefix_caching and "--enable-prefix-caching" not in argv:

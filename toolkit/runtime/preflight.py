@@ -235,8 +235,14 @@ def given_tree(loaded: LoadedRecipe, rootfs: Path, given: dict[str, str], work: 
 
 
 def _dropped_flags(recipe: Recipe, missing: set[str]) -> dict[str, str]:
-    """Flags provided by a source whose files could not be deployed here: not checked, said so."""
-    return {flag.lstrip("-"): s.name for s in recipe.sources if s.name in missing for flag in s.provides_flags}
+    """Flags that depend on a source whose files could not be deployed here (it adds them, or vLLM takes them only
+    for the multimodal model it registers): not checked, said so."""
+    dropped = {flag.lstrip("-"): f"added by source {s.name}" for s in recipe.sources if s.name in missing
+               for flag in s.provides_flags}
+    for source in recipe.sources:
+        if source.name in missing and source.registers_multimodal:
+            dropped["limit-mm-per-prompt"] = f"taken for the multimodal model source {source.name} registers"
+    return dropped
 
 
 def _claimed_parsers(recipe: Recipe, missing: set[str]) -> dict[str, str]:
@@ -266,7 +272,7 @@ def run(loaded: LoadedRecipe, variants: list[Variant], tree: Tree, python: Path,
                     continue
                 name = word[2:] if word.startswith("--") else None
                 if name in dropped:
-                    outcome.not_checked.append(f"--{name} (added by source {dropped[name]}, not available here)")
+                    outcome.not_checked.append(f"--{name} ({dropped[name]}, not available here)")
                     skip_value = i + 1 < len(words) and not words[i + 1].startswith("--")
                     continue
                 kept.append(word)

@@ -11,13 +11,20 @@ from toolkit.rehearsal.checks.multi_system import MultiSystem
 from toolkit.rehearsal.checks.parsers import Parsers
 from toolkit.rehearsal.checks.prefix_cache import PrefixCache
 from toolkit.rehearsal.checks.profile import Profile
-from toolkit.rehearsal.checks.replay import CompletionLimit, StillServing, ToolCallIndex
+from toolkit.rehearsal.checks.replay import (
+    CompletionLimit,
+    ImageChunks,
+    SeveralImages,
+    StillServing,
+    ToolCallIndex,
+    ToolThread,
+)
 from toolkit.rehearsal.checks.short import Short
 from toolkit.rehearsal.checks.tools import Tools
 
 CHECKS: dict[str, type[RehearsalCheck]] = {c.name: c for c in (
     Short, Tools, MultiSystem, Parsers, Profile, Kernels, PrefixCache, CacheHits, Answers, CompletionLimit,
-    ToolCallIndex, StillServing)}
+    ToolCallIndex, ToolThread, SeveralImages, ImageChunks, StillServing)}
 # what --check can choose; the start and the weights are checked whenever a server starts
 REQUEST_CHECKS = tuple(CHECKS)
 

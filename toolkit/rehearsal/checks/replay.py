@@ -1,15 +1,19 @@
 """The platform replay's request shapes that servers on this image failed (shared/platform-replay: the failure
 classes of its logs), each sent to the served server as the replay sends it, and the server still answering after
-them: a completion limit beyond the context, an assistant turn echoing a streamed tool call's `index`, and the
-short request once every other check is done (a request that ends the engine fails every request after it)."""
+them: a completion limit beyond the context, an assistant turn echoing a streamed tool call's `index`, a prompt with
+several images, an image whose tokens cross a prefill chunk's end, and the short request once every other check is
+done (a request that ends the engine fails every request after it)."""
 
 from __future__ import annotations
 
+import base64
+import struct
+import zlib
 from typing import Any, ClassVar
 
 import httpx
 
-from toolkit.bench import client, workloads
+from toolkit.bench import client, experiment, workloads
 from toolkit.rehearsal.checks.base import RehearsalCheck
 from toolkit.rehearsal.model import MAX_TOKENS, Check
 from toolkit.rehearsal.requests import answered, send
@@ -81,6 +85,13 @@ class _Shape(RehearsalCheck):
     def send(self, live: Live) -> None:
         raise NotImplementedError
 
+    def said(self, response: httpx.Response, live: Live) -> str:
+        """What the server answered a failed request; for a 5xx, with its own error from its log, located."""
+        told = f"HTTP {response.status_code}: {_message(response)}"
+        if response.status_code >= 500:
+            told += f"; the server's log: {self.run.stage.server_error(live.server)}"
+        return told
+
 
 class CompletionLimit(_Shape):
     """A prompt that fits the context with a completion limit that does not: answered with the limit cut to the
@@ -101,7 +112,7 @@ class CompletionLimit(_Shape):
             response = _chat(live, {"messages": messages, limit: BEYOND, "temperature": 0, "ignore_eos": True})
             if response.status_code != 200:
                 found.append(f"a {prompt}-token prompt with {limit} {BEYOND} at a {context}-token context was "
-                             f"answered HTTP {response.status_code}: {_message(response)}")
+                             f"answered {self.said(response, live)}")
                 continue
             data = response.json()
             got, reason = data["usage"]["completion_tokens"], data["choices"][0]["finish_reason"]
@@ -150,8 +161,116 @@ class ToolCallIndex(_Shape):
         self.result = Check(self.name, ok, (
             f"an assistant tool call carrying `index` and the tool's answer were answered ({MAX_TOKENS} tokens; "
             "the replay's class `tool-call-index`)") if ok else (
-            f"HTTP {response.status_code}: {_message(response)} (the replay's class "
-            "`tool-call-index`: 6 of submission 694's requests)"))
+            f"{self.said(response, live)} (the replay's class `tool-call-index`: 6 of submission 694's requests)"))
+
+
+class ToolThread(_Shape):
+    """A three-turn agent thread as the replay's (690 of its 881 requests carry tools, in about 768 threads of a
+    median three requests): the system prompt and every tool schema, then each turn the assistant's tool call (with
+    the `index` its stream had), the tool's answer and the next user message; each later turn must be answered and
+    find the earlier turns in the prefix cache (58% of the replay's prompt tokens came from it)."""
+
+    name = "tool-thread"
+    summary = "a three-turn thread with every tool schema, tool calls and results; later turns hit the prefix cache"
+
+    def not_applicable(self) -> str | None:
+        if self.run.tool_parser is None:
+            return "the run config serves no tool calls (no --enable-auto-tool-choice with a --tool-call-parser)"
+        if not self.run.caching:
+            return "the run config serves without --enable-prefix-caching: no turn can hit the cache"
+        return None
+
+    def send(self, live: Live) -> None:
+        tools = workloads.tool_schemas()
+        messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent with tools."},
+                                          {"role": "user", "content": "Look into the weather, step by step."}]
+        found: list[str] = []
+        turns: list[str] = []
+        previous = 0  # the prompt tokens the turn before sent
+        for turn in range(3):
+            response = _chat(live, {"messages": messages, "tools": tools, "tool_choice": "auto",
+                                    "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+            if response.status_code != 200:
+                found.append(f"turn {turn + 1}: {self.said(response, live)}")
+                break
+            usage = response.json()["usage"]
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            turns.append(f"{usage['prompt_tokens']} ({cached} cached)")
+            if turn and cached * 2 < previous:
+                found.append(f"turn {turn + 1} found {cached} of its {usage['prompt_tokens']} prompt tokens in the "
+                             f"cache, less than half of the {previous} the turn before sent")
+            previous = int(usage["prompt_tokens"])
+            name = tools[turn]["function"]["name"]
+            messages += [{"role": "assistant", "content": None, "tool_calls": [
+                            {"index": 0, "id": f"call_{turn}", "type": "function",
+                             "function": {"name": name, "arguments": "{}"}}]},
+                         {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"result {turn}: sunny"},
+                         {"role": "user", "content": f"Turn {turn + 2}: go on."}]
+        self.run.stage.rehearsal.requests.append({"sent": self.name, "ok": not found, "turns": turns})
+        self.result = Check(self.name, not found, "; ".join(found) or (
+            f"three turns with {len(tools)} tool schemas, tool calls and results answered; prompt tokens "
+            f"{', '.join(turns)}: each later turn found the earlier ones in the prefix cache"))
+
+
+def png(width: int, height: int, shade: int) -> str:
+    """A `data:` URL of an RGB PNG (a gradient, `shade` apart between images), written with the standard library."""
+    rows = b"".join(b"\x00" + bytes(((x + shade) % 256, (y * 2) % 256, (x + y + shade) % 256)[c]
+                                     for x in range(width) for c in range(3)) for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    data = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _image(shade: int) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": png(256, 256, shade)}}
+
+
+class _Images(_Shape):
+    def not_applicable(self) -> str | None:
+        if not self.run.stage.multimodal():
+            return "the tree's vLLM serves the checkpoint as a text model: no image reaches it"
+        return None
+
+    def answered(self, live: Live, content: list[dict[str, Any]], said: str, failure: str) -> None:
+        response = _chat(live, {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+                                "temperature": 0, "ignore_eos": True})
+        ok = response.status_code == 200 and response.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        self.run.stage.rehearsal.requests.append({"sent": self.name, "status": response.status_code, "ok": ok})
+        self.result = Check(self.name, ok, said if ok else f"{self.said(response, live)} ({failure})")
+
+
+class SeveralImages(_Images):
+    """A user turn with two images, as 13 of submission 694's requests had more than one."""
+
+    name = "several-images"
+    summary = "the replay's failure class `several-images`: two images in one prompt"
+
+    def send(self, live: Live) -> None:
+        self.answered(live, [{"type": "text", "text": "Compare the two images."}, _image(0), _image(97)],
+                      f"two images in one prompt answered ({MAX_TOKENS} tokens; the replay's class `several-images`)",
+                      "the replay's class `several-images`: 13 of submission 694's requests; the run config's "
+                      "--limit-mm-per-prompt lets a prompt carry as many")
+
+
+class ImageChunks(_Images):
+    """An image after a text as long as a prefill chunk, so its tokens cross the chunk's end (a multimodal
+    rotary-position error on a chunked prefill ended another team's engine)."""
+
+    name = "image-chunks"
+    summary = "an image whose tokens cross a prefill chunk's end (another team's engine-ending error)"
+
+    def send(self, live: Live) -> None:
+        budget = int(experiment.flag_value(live.argv, "--max-num-batched-tokens") or 0)
+        filled, count = _filled(live, budget - 24)  # the image's 64 tokens start 24 before the chunk ends
+        self.answered(live, [{"type": "text", "text": filled[0]["content"]}, _image(41),
+                             {"type": "text", "text": "What is in the image?"}],
+                      f"an image after a {count}-token text answered: its tokens crossed the {budget}-token "
+                      f"chunk's end ({MAX_TOKENS} tokens; another team's engine-ending class)",
+                      f"an image whose tokens cross the {budget}-token chunk's end")
 
 
 class StillServing(RehearsalCheck):
