@@ -178,7 +178,14 @@ def flagship_before_the_upgrade(work: Path) -> Path:
     for folder in ("recipes", "layers"):
         shutil.copytree(REPO / folder, work / folder)
     shutil.copy(REPO / "tests" / "data" / "qwen36-adapter-5a1c8c7.yaml", work / "layers" / "qwen36-adapter.yaml")
-    return work / "recipes" / "bi100-qwen36.yaml"
+    # its model was a text model then (5a1c8c7 skips the vision tower), which vLLM serves without an image limit
+    recipe = work / "recipes" / "bi100-qwen36.yaml"
+    text = recipe.read_text(encoding="utf-8")
+    for line in ("    limit-mm-per-prompt: image=6\n", "    args:\n      limit-mm-per-prompt: image=1\n"):
+        assert line in text, line
+        text = text.replace(line, "")
+    recipe.write_text(text, encoding="utf-8")
+    return recipe
 
 
 @pytest.fixture(scope="session")

@@ -91,7 +91,13 @@ def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, adapt
     assert failure["where"].startswith("vllm/config.py:")
     # lint drops the same variants: nothing either one misses
     notes = result.json()["notes"]
-    assert not any("lint missed" in n or "not reproduced" in n for n in notes)
+    assert not any("lint missed" in n for n in notes)
+    # what lint drops that the config code cannot see: every layer's KV beside six images' start profile is sized
+    # when the engine starts (the rehearsal's legacy40 test sees the vendor refuse it there)
+    unreproduced = {n.split(":")[0]: n for n in notes if "not reproduced" in n}
+    assert set(unreproduced) == {n for n in variants if n.endswith("hka-legacy40") and "ecp-false" not in n}
+    assert all("lint error not reproduced by the vendor's code (a GPU-only failure, or a lint rule to revisit): "
+               "kv-cache: the KV cache cannot hold one 262144-token sequence" in n for n in unreproduced.values())
     # the vendor's own KV block size from the adapter's patched config classes, under each accounting, and lint's
     # estimate agrees with it: 10 full-attention layers counted by default, all 40 with legacy40
     kv = variants["base"]["kv"]
@@ -105,7 +111,7 @@ def test_every_flagship_variant_through_the_vendor_code(cli, python: Path, adapt
     said = next(n for n in notes if n.startswith("base: KV:"))
     assert "10240 B/token/card, agrees with lint" in said
     per_card = float(said.split(" sequence(s) of 262144 tokens fit per card")[0].rsplit(" ", 1)[1])
-    assert per_card >= 4, said
+    assert per_card >= 3, said  # beside the start's six-image profile (lint: 3.7)
     assert "legacy40: 40 layers, 655360 B per block" in said
 
 
@@ -150,7 +156,9 @@ def test_the_vendor_refuses_an_unknown_flag_and_parser(cli, python: Path, adapte
     def bad(data: dict[str, Any]) -> None:
         data["serve"]["args"]["num-scheduler-stepz"] = 8
         data["variants"] = {"other-parser": {"args": {"num-scheduler-stepz": None, "tool-call-parser": "qwen4"}},
-                            "tiny-batch": {"args": {"num-scheduler-stepz": None, "max-num-batched-tokens": 2}}}
+                            # no image a prompt: lint's start profile of images (mm-profile) would refuse it first
+                            "tiny-batch": {"args": {"num-scheduler-stepz": None, "max-num-batched-tokens": 2,
+                                                    "limit-mm-per-prompt": "image=0"}}}
         data.pop("matrix")
         data["checks"].pop("fast_paths_off")  # it names a variant this copy drops
 
@@ -195,7 +203,9 @@ def test_openai_requests_accept_unknown_fields_only_when_patched(cli, python: Pa
 
 def test_build_refuses_what_the_vendor_code_refuses(cli, python: Path, tmp_path: Path) -> None:
     # lint has no rule for this one; the vendor's scheduler config refuses it at start
-    recipe = recipe_copy(tmp_path / "r", lambda d: d["serve"]["args"].update({"max-num-batched-tokens": 2}))
+    # (no image a prompt: lint's start profile of images, mm-profile, would refuse it first)
+    recipe = recipe_copy(tmp_path / "r", lambda d: d["serve"]["args"].update({"max-num-batched-tokens": 2,
+                                                                            "limit-mm-per-prompt": "image=0"}))
     out = tmp_path / "sub"
     result = cli("build", recipe, "-o", out, "--json")
     assert result.code == 2 and not out.exists()
@@ -206,7 +216,11 @@ def test_build_refuses_what_the_vendor_code_refuses(cli, python: Path, tmp_path:
     said = [n for n in again.json()["notes"] if n.startswith("preflight: 1 variant(s) start")]
     assert again.code == 0 and len(said) == 1
     # fetch mode: what the adapter adds was not checked, and the build says so instead of claiming it
-    assert "not checked here, left to the in-image step: --reasoning-parser" in said[0]
+    assert "not checked here, left to the in-image step: " in said[0], said[0]
+    left = said[0].split("not checked here, left to the in-image step: ", 1)[1]
+    assert "--reasoning-parser (added by source qwen36-adapter" in left, left
+    # vLLM takes an image limit only for the multimodal model the adapter registers
+    assert "--limit-mm-per-prompt (taken for the multimodal model source qwen36-adapter registers" in left, left
 
 
 def test_the_accelerator_count_is_the_recipes(cli, python: Path, adapter: tuple[Path, str], tmp_path: Path) -> None:

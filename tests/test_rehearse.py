@@ -209,13 +209,18 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
         checks["multi-system"]["detail"], checks["multi-system"]
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "kernels", "weights",
                            "cache-hits", "prefix-cache", "answers", "completion-limit", "tool-call-index",
-                           "still-serving"}
+                           "tool-thread", "several-images", "image-chunks", "still-serving"}
     # the replay's shapes: a limit beyond the context answered with the room left, an echoed tool-call index
     # accepted, and the server still answering after every other check's requests
     assert re.search(r"^a 122\d\d-token prompt with max_tokens, then max_completion_tokens 4096 at the rehearsed "
                      r"12288-token context answered its \d+ tokens of room, ending 'length'",
                      checks["completion-limit"]["detail"]), checks["completion-limit"]
-    assert checks["still-serving"]["ok"] and checks["tool-call-index"]["ok"]
+    assert checks["still-serving"]["ok"] and checks["tool-call-index"]["ok"] and checks["several-images"]["ok"]
+    assert re.search(r"^three turns with 29 tool schemas, tool calls and results answered; prompt tokens \d+ \(0 "
+                     r"cached\), \d+ \(\d+ cached\), \d+ \(\d+ cached\): each later turn found",
+                     checks["tool-thread"]["detail"]), checks["tool-thread"]
+    assert re.search(r"^an image after a \d+-token text answered: its tokens crossed the 2688-token chunk's end",
+                     checks["image-chunks"]["detail"]), checks["image-chunks"]
     # the kernels the tiny model reaches in float16 ran, each computed by its reference, counted
     assert re.search(r"^called: corex_gdn_causal_conv x\d+, corex_attn_head_rms_norm x\d+; not reachable by the "
                      r"rehearsed model \(float16, TP 2;", checks["kernels"]["detail"]), checks["kernels"]
@@ -238,10 +243,13 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert variant["tp"] == 2
     assert {s["flag"] for s in variant["substitutions"]} >= {"--model", "--tensor-parallel-size", "--chat-template",
                                                             "device memory", servers.TEXT_ONLY.flag}
-    # the served server started with the image profile's budget, the comparison servers with no image per prompt
+    # the served server started with two images' profile budget (the run config's six, scaled), the comparison
+    # servers with no image per prompt
     argv = {Path(log).stem: Path(log).read_text(encoding="utf-8", errors="replace") for log in variant["logs"]}
-    assert f"max_num_batched_tokens={model.MULTIMODAL_BATCH_TOKENS}," in argv["served"]
-    assert "limit_mm_per_prompt=None" in argv["served"]
+    assert f"max_num_batched_tokens={model.SEVERAL_IMAGES_BATCH_TOKENS}," in argv["served"]
+    assert "limit_mm_per_prompt={'image': 2}" in argv["served"]
+    assert {"--limit-mm-per-prompt": ("image=6", "image=2")}.items() <= {
+        s["flag"]: (s["served"], s["rehearsed"]) for s in variant["substitutions"]}.items()
     assert "limit_mm_per_prompt={'image': 0}" in argv["cache-on"] and "max_num_batched_tokens=256," in argv["cache-on"]
     assert {"ixformer.functions.vllm_single_query_cached_kv_attention", "ixformer.functions.linear",
             "ixformer.distributed.all_reduce"} <= set(variant["references"])
@@ -263,8 +271,9 @@ def test_the_second_model_rehearses_with_every_check_ok(tmp_path: Path) -> None:
     checks = _checks(report)
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "kernels", "weights",
                            "cache-hits", "prefix-cache", "answers", "completion-limit", "tool-call-index",
-                           "still-serving"}
+                           "tool-thread", "several-images", "image-chunks", "still-serving"}
     assert checks["kernels"]["result"] == "n/a", checks["kernels"]
+    assert checks["several-images"]["result"] == "n/a" and checks["image-chunks"]["result"] == "n/a"
     assert not [c for c in checks.values() if not c["ok"]], checks
     assert "the tool parser hermes split them as the client expects" in checks["parsers"]["detail"]
     assert re.search(r"cache hit rate 0\.[1-9]", checks["cache-hits"]["detail"]), checks["cache-hits"]
@@ -378,9 +387,13 @@ def test_legacy40_kv_accounting_with_small_memory_fails_where_the_vendor_sizes_t
     detail = checks["start"]["detail"]
     assert "is larger than the maximum number of tokens that can be stored in KV cache" in detail, detail
     assert "vllm/worker/worker.py:" in detail
-    base = rehearse_cmd(RehearseRequest(FLAGSHIP, _sources(adapter_args), tp=1, output=tmp_path / "base",
+    # the same card serves the flagship's accounting, with kv-legacy40's one image a prompt (the start profiles as
+    # many: the accounting is all that differs)
+    one_image = recipe_copy(tmp_path / "one-image", lambda d: d["serve"]["args"].update(
+        {"limit-mm-per-prompt": "image=1"}))
+    base = rehearse_cmd(RehearseRequest(one_image, _sources(adapter_args), tp=1, output=tmp_path / "base",
                                         memory_gb=MEMORY_GB, checks=("short",)))
-    assert base.exit_code == 0, _checks(base)  # the same card serves the flagship's accounting
+    assert base.exit_code == 0, _checks(base)
     assert stray_processes() == []
 
 
@@ -564,16 +577,20 @@ def test_a_decode_reading_the_wrong_block_fails_the_answers_against_a_fresh_pref
 
 def test_the_replays_refused_shapes_fail_their_checks_on_a_tree_without_their_transforms(
         tmp_path: Path, adapter_args: list[str]) -> None:
-    """The platform's failure classes, each on the tree that failed it there: without the completion-limit cut a
-    limit beyond the context is refused; with the protocol's extra="forbid" an echoed tool-call index is; neither
-    ends the engine. Then a tree whose engine dies on a long prefill: the short request after it fails."""
+    """The platform's failure classes, each on the configuration that failed it there: without the completion-limit
+    cut a limit beyond the context is refused; with the protocol's extra="forbid" an echoed tool-call index is;
+    with vLLM's one image a prompt a second image is; none of them ends the engine. Then the flagship as the move to
+    2f7d5f5 left it, without the adapter's MRoPE chunk alignment: an image whose tokens cross a chunk's end ends
+    the engine, and the short request after it fails."""
     def refusing(data: dict[str, Any]) -> None:
         gone = {"openai-completion-limit-fits", "openai-accept-unknown-fields"}
         data["transforms"] = [t for t in data["transforms"] if t["id"] not in gone]
+        del data["serve"]["args"]["limit-mm-per-prompt"]
 
     report = rehearse_cmd(RehearseRequest(recipe_copy(tmp_path / "refusing", refusing), _sources(adapter_args),
-                                          output=tmp_path / "run",
-                                          checks=("completion-limit", "tool-call-index", "still-serving")))
+                                          output=tmp_path / "run", checks=(
+                                              "completion-limit", "tool-call-index", "tool-thread", "several-images",
+                                              "still-serving")))
     checks = _checks(report)
     assert report.exit_code == 1 and checks["start"]["ok"], checks
     limit = checks["completion-limit"]
@@ -586,22 +603,25 @@ def test_the_replays_refused_shapes_fail_their_checks_on_a_tree_without_their_tr
     index = checks["tool-call-index"]
     assert not index["ok"] and index["detail"].startswith("HTTP 400: ") and "Extra inputs are not permitted" in \
         index["detail"], index
+    thread = checks["tool-thread"]  # its second turn echoes the first's tool call
+    assert not thread["ok"] and thread["detail"].startswith("turn 2: HTTP 400: ") and "Extra inputs are not " \
+        "permitted" in thread["detail"], thread
+    images = checks["several-images"]
+    assert not images["ok"] and images["detail"].startswith(
+        "HTTP 400: At most 1 image(s) may be provided in one request."), images
     assert checks["still-serving"]["ok"], "a refused request ends nothing"
 
-    dying = recipe_copy(tmp_path / "dying", _mutant(
-        "mutant-engine-dies-on-a-long-prefill", "vllm/worker/worker_base.py",
-        "LocalOrDistributedWorkerBase.execute_model",
-        "if self.is_driver_worker and execute_model_req is not None and any(\n"
-        "        s.get_len() > 12000 for g in execute_model_req.seq_group_metadata_list\n"
-        "        for s in g.seq_data.values()):\n"
-        "    raise RuntimeError('mutant: the engine dies on a long prefill')"))
-    report = rehearse_cmd(RehearseRequest(dying, _sources(adapter_args), output=tmp_path / "dead",
-                                          checks=("completion-limit", "still-serving")))
+    def unaligned(data: dict[str, Any]) -> None:
+        data["transforms"] = [t for t in data["transforms"] if not t["id"].startswith("adapter-mrope-")]
+
+    report = rehearse_cmd(RehearseRequest(recipe_copy(tmp_path / "unaligned", unaligned), _sources(adapter_args),
+                                          output=tmp_path / "dead", checks=("image-chunks", "still-serving")))
     checks = _checks(report)
     assert report.exit_code == 1, checks
-    limit = checks["completion-limit"]
+    chunks = checks["image-chunks"]
     # the request that ended the engine fails with the server's own error, located
-    assert not limit["ok"] and "RuntimeError: mutant: the engine dies on a long prefill" in limit["detail"], limit
+    assert not chunks["ok"] and "RuntimeError: shape '[" in chunks["detail"] and "is invalid for input of size" in \
+        chunks["detail"], chunks
     still = checks["still-serving"]
     assert not still["ok"] and still["detail"].startswith("after the other checks' requests: HTTP "), still
     assert stray_processes() == []
