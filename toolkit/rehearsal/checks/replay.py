@@ -1,8 +1,9 @@
 """The platform replay's request shapes that servers on this image failed (shared/platform-replay: the failure
 classes of its logs), each sent to the served server as the replay sends it, and the server still answering after
-them: a completion limit beyond the context, an assistant turn echoing a streamed tool call's `index`, a prompt with
-several images, an image whose tokens cross a prefill chunk's end, and the short request once every other check is
-done (a request that ends the engine fails every request after it)."""
+them: a completion limit beyond the context, an assistant turn echoing a streamed tool call's `index`, a three-turn
+thread with tools whose later turns hit the prefix cache, a prompt with several images, an image whose tokens cross a
+prefill chunk's end, and the short request once every other check is done (a request that ends the engine fails
+every request after it)."""
 
 from __future__ import annotations
 
