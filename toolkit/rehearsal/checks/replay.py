@@ -54,6 +54,15 @@ def _message(response: httpx.Response) -> str:
         return response.text[:400]
 
 
+NO_TOOLS = "the run config serves no tool calls (no --enable-auto-tool-choice with a --tool-call-parser)"
+
+
+def _echoed_call(name: str, call_id: str) -> dict[str, Any]:
+    """An assistant turn whose tool call carries the `index` its streamed delta had, as clients echo it back."""
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"index": 0, "id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}]}
+
+
 def _filled(live: Live, tokens: int) -> tuple[list[dict[str, Any]], int]:
     """A user message whose rendering is `tokens` long, or as near as the tokenizer allows below it: counted by
     the server, grown word by word."""
@@ -144,16 +153,13 @@ class ToolCallIndex(_Shape):
 
     def not_applicable(self) -> str | None:
         if self.run.tool_parser is None:
-            return "the run config serves no tool calls (no --enable-auto-tool-choice with a --tool-call-parser)"
+            return NO_TOOLS
         return None
 
     def send(self, live: Live) -> None:
         tool = workloads.tool_schemas()[0]
         name = tool["function"]["name"]
-        messages = [{"role": "user", "content": "Use the tool once."},
-                    {"role": "assistant", "content": None, "tool_calls": [
-                        {"index": 0, "id": "call_0", "type": "function",
-                         "function": {"name": name, "arguments": "{}"}}]},
+        messages = [{"role": "user", "content": "Use the tool once."}, _echoed_call(name, "call_0"),
                     {"role": "tool", "tool_call_id": "call_0", "content": "done"}]
         response = _chat(live, {"messages": messages, "tools": [tool], "max_tokens": MAX_TOKENS, "temperature": 0,
                                 "ignore_eos": True})
@@ -176,7 +182,7 @@ class ToolThread(_Shape):
 
     def not_applicable(self) -> str | None:
         if self.run.tool_parser is None:
-            return "the run config serves no tool calls (no --enable-auto-tool-choice with a --tool-call-parser)"
+            return NO_TOOLS
         if not self.run.caching:
             return "the run config serves without --enable-prefix-caching: no turn can hit the cache"
         return None
@@ -202,9 +208,7 @@ class ToolThread(_Shape):
                              f"cache, less than half of the {previous} the turn before sent")
             previous = int(usage["prompt_tokens"])
             name = tools[turn]["function"]["name"]
-            messages += [{"role": "assistant", "content": None, "tool_calls": [
-                            {"index": 0, "id": f"call_{turn}", "type": "function",
-                             "function": {"name": name, "arguments": "{}"}}]},
+            messages += [_echoed_call(name, f"call_{turn}"),
                          {"role": "tool", "tool_call_id": f"call_{turn}", "content": f"result {turn}: sunny"},
                          {"role": "user", "content": f"Turn {turn + 2}: go on."}]
         self.run.stage.rehearsal.requests.append({"sent": self.name, "ok": not found, "turns": turns})
@@ -236,7 +240,7 @@ class _Images(_Shape):
             return "the tree's vLLM serves the checkpoint as a text model: no image reaches it"
         return None
 
-    def answered(self, live: Live, content: list[dict[str, Any]], said: str, failure: str) -> None:
+    def served(self, live: Live, content: list[dict[str, Any]], said: str, failure: str) -> None:
         response = _chat(live, {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
                                 "temperature": 0, "ignore_eos": True})
         ok = response.status_code == 200 and response.json()["usage"]["completion_tokens"] == MAX_TOKENS
@@ -251,7 +255,7 @@ class SeveralImages(_Images):
     summary = "the replay's failure class `several-images`: two images in one prompt"
 
     def send(self, live: Live) -> None:
-        self.answered(live, [{"type": "text", "text": "Compare the two images."}, _image(0), _image(97)],
+        self.served(live, [{"type": "text", "text": "Compare the two images."}, _image(0), _image(97)],
                       f"two images in one prompt answered ({MAX_TOKENS} tokens; the replay's class `several-images`)",
                       "the replay's class `several-images`: 13 of submission 694's requests; the run config's "
                       "--limit-mm-per-prompt lets a prompt carry as many")
@@ -267,7 +271,7 @@ class ImageChunks(_Images):
     def send(self, live: Live) -> None:
         budget = int(experiment.flag_value(live.argv, "--max-num-batched-tokens") or 0)
         filled, count = _filled(live, budget - 24)  # the image's 64 tokens start 24 before the chunk ends
-        self.answered(live, [{"type": "text", "text": filled[0]["content"]}, _image(41),
+        self.served(live, [{"type": "text", "text": filled[0]["content"]}, _image(41),
                              {"type": "text", "text": "What is in the image?"}],
                       f"an image after a {count}-token text answered: its tokens crossed the {budget}-token "
                       f"chunk's end ({MAX_TOKENS} tokens; another team's engine-ending class)",
