@@ -234,6 +234,45 @@ def test_the_census_counts_a_kernel_call_as_one_launch(tmp_path: Path) -> None:
     assert selected <= nbytes < (16 * (8 * 32 + 32 * 4) * 2 + selected)
 
 
+def test_a_kernels_bytes_are_what_it_reads_of_its_arguments_not_its_references_copies(tmp_path: Path) -> None:
+    """The direct-routed MoE kernel at one TP-4 rank's shapes: handed both whole stacks (256 experts), it reads the 8
+    selected experts' rows; its reference's gathered and float32 copies are not traffic."""
+    torch = pytest.importorskip("torch")
+    from toolkit.runtime import census as census_module
+
+    rows: list[dict[str, Any]] = []
+    census = census_module.Census(lambda: ("decode", "step.moe"), rows.append)
+    standins.call_references_through(census.vendor)
+    standins.RECORD["kernels"] = ["vllm.corex_moe_direct_routed"]
+    half = 2
+    try:
+        x = torch.full((1, 2048), 0.01, dtype=torch.float16)
+        w13 = torch.full((256, 256, 2048), 0.01, dtype=torch.float16)
+        w2 = torch.full((256, 2048, 128), 0.01, dtype=torch.float16)
+        ids = torch.tensor([3, 9, 17, 40, 77, 128, 200, 255], dtype=torch.int64)
+        weights = torch.full((8,), 0.125, dtype=torch.float16)
+        census.start()
+        gate_up = standins.standin("vllm.corex_moe_direct_routed.w13")(x, w13, ids)
+        activated = gate_up[:, :128].contiguous()
+        standins.standin("vllm.corex_moe_direct_routed.w2_reduce")(activated, w2, ids, weights)
+        census.stop()
+    finally:
+        standins.RECORD["kernels"] = []
+        standins.call_references_through(standins._direct)
+    [step] = rows
+    by_name = {r[1]: r for r in step["ops"]}
+    ids_bytes = 8 * 8
+    # w13: the token, the 8 experts' gate and up rows, the ids; it writes [8, 256] half
+    assert by_name["vllm.corex_moe_direct_routed.w13"][-1] == (
+        2048 * half + 8 * 256 * 2048 * half + ids_bytes + 8 * 256 * half)
+    # w2_reduce: the activations, the 8 experts' down rows, the ids, the weights; it writes [1, 2048] half
+    assert by_name["vllm.corex_moe_direct_routed.w2_reduce"][-1] == (
+        8 * 128 * half + 8 * 2048 * 128 * half + ids_bytes + 8 * half + 2048 * half)
+    # about 12.6 MB a layer, where the whole stacks are 403 MB and the reference's copies about 200 MB
+    both = by_name["vllm.corex_moe_direct_routed.w13"][-1] + by_name["vllm.corex_moe_direct_routed.w2_reduce"][-1]
+    assert 12.5e6 < both < 12.7e6
+
+
 def _module(name: str) -> Any:
     return next(m for m in SPEC.modules if m.name == name)
 

@@ -18,7 +18,12 @@ keeps every step it finished. What is counted, by rule:
 - a stand-in's call with a tensor (ixformer's all-reduce, attention, activations; not a group handle's) is one
   kernel of the vendor's (an all-gather or a reduce-scatter priced as an all-reduce): its FLOPs are
   those its CPU reference dispatched, its bytes its tensors'; an all-reduce is a collective of its tensor's bytes,
-  with no FLOPs (the device model prices it over the link).
+  with no FLOPs (the device model prices it over the link);
+- a prebuilt kernel's call (the image's `corex_*` modules) is one launch whose bytes are what it reads of its
+  arguments and what it writes: each argument's storage read as its reference's operations read it (a gather the
+  rows it selects, any other operation the view it spans), at most the whole storage; its results and the arguments
+  it writes in place. The reference's own intermediates (a gathered copy, a float32 widening) are registers and
+  shared memory in the kernel, not traffic.
 
 A rank that fails (an exception in its worker, or its process dying) leaves its error as DIR/failed-<pid>.json the
 moment vLLM's own worker code logs it (the rank's exception in the rank, a dead rank's exit code in the driver's
@@ -73,10 +78,40 @@ def _standins() -> types.ModuleType:
 
 
 class Tally:
-    """One step's (or one vendor call's) count: (region, op, dtype, kind, shapes) -> [calls, FLOPs, bytes]."""
+    """One step's (or one vendor call's) count: (region, op, dtype, kind, shapes) -> [calls, FLOPs, bytes]; for a
+    prebuilt kernel's call, also what its reference read of the kernel's arguments and wrote into them."""
 
-    def __init__(self) -> None:
+    def __init__(self, arguments: list[Any] | None = None) -> None:
         self.ops: dict[tuple[str, str, str, str, str], list[float]] = {}
+        # a kernel's arguments: storage -> its size; per storage, each distinct view read or written -> its bytes
+        self.arguments = {_storage(t): _storage_bytes(t) for t in arguments or []}
+        self.read: dict[int, dict[tuple[Any, ...], float]] = {}
+        self.written: dict[int, dict[tuple[Any, ...], float]] = {}
+
+    def touch(self, ins: list[Any], outs: list[Any], gathered: Any | None) -> None:
+        """An operation of a kernel's reference: the argument views it reads (`gathered`, a gather's source, read as
+        many bytes as the gather writes) and those it writes in place."""
+        if not self.arguments:
+            return
+        for tensor in ins:
+            storage = _storage(tensor)
+            if storage in self.arguments:
+                nbytes = _bytes(outs) if tensor is gathered else _bytes([tensor])
+                key = ("gather", _view(tensor), _view_all(outs)) if tensor is gathered else _view(tensor)
+                self.read.setdefault(storage, {})[key] = nbytes
+        for tensor in outs:
+            storage = _storage(tensor)
+            if storage in self.arguments:
+                self.written.setdefault(storage, {})[_view(tensor)] = _bytes([tensor])
+
+    def traffic(self, results: list[Any]) -> float:
+        """What the kernel moves: each argument's storage as read and as written (each at most its size), and its
+        results not among its arguments."""
+        total = 0.0
+        for touched in (self.read, self.written):
+            total += sum(min(sum(views.values()), self.arguments[s]) for s, views in touched.items())
+        fresh = [t for t in results if _storage(t) not in self.arguments]
+        return total + _bytes(fresh)
 
     def add(self, region: str, op: str, dtype: str, kind: str, shapes: str, flops: float, nbytes: float) -> None:
         entry = self.ops.setdefault((region, op, dtype, kind, shapes), [0, 0.0, 0.0])
@@ -147,8 +182,10 @@ class Census:
             self.tallies[-1].add(self.where(), label, _dtype(tensors), "collective", shapes, 0.0, _largest(tensors))
             return
         nbytes = _bytes(tensors)
-        if gather and ins and args and args[0] is ins[0]:  # the source is the first argument of each
+        gathered = ins[0] if gather and ins and args and args[0] is ins[0] else None  # the source comes first
+        if gathered is not None:
             nbytes += _bytes(outs) - _bytes(ins[:1])  # the rows it read are as many as it wrote
+        self.tallies[-1].touch(ins, outs, gathered)
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
         elif attention and len(ins) >= 2 and ins[0].dim() == 4:
@@ -161,7 +198,10 @@ class Census:
     def vendor(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.tallies:
             return fn(*args, **kwargs)
-        inner = Tally()
+        kernel = any(name.startswith(k + ".") for k in _standins().RECORD.get("kernels", ()))
+        # a prebuilt kernel is handed whole weight stacks and caches it reads a few rows of (the selected experts, a
+        # sequence's blocks): what its reference reads of them is tracked
+        inner = Tally(_tensors((args, kwargs)) if kernel else None)
         self.tallies.append(inner)
         try:
             out = fn(*args, **kwargs)
@@ -174,11 +214,7 @@ class Census:
         if name in COLLECTIVES:  # priced by the buffer it moves over the link
             self.tallies[-1].add(self.where(), name, dtype, "collective", shapes, 0.0, _largest(tensors))
         else:
-            nbytes = _bytes(tensors)
-            if any(name.startswith(kernel + ".") for kernel in _standins().RECORD.get("kernels", ())):
-                # a prebuilt kernel is handed whole weight stacks and caches it reads a few rows of (the selected
-                # experts, a sequence's blocks): it moves at most what its reference's own operations move
-                nbytes = min(nbytes, inner.nbytes)
+            nbytes = inner.traffic(_tensors(out)) if kernel else _bytes(tensors)
             self.tallies[-1].add(self.where(), name, dtype, "vendor", shapes, inner.flops, nbytes)
         return out
 
@@ -246,6 +282,22 @@ def _shapes(inputs: list[Any]) -> str:
 def _largest(tensors: list[Any]) -> float:
     """A collective's buffer: the largest tensor it moves."""
     return float(max(t.numel() * t.element_size() for t in tensors))
+
+
+def _storage(tensor: Any) -> int:
+    return int(tensor.untyped_storage().data_ptr())
+
+
+def _storage_bytes(tensor: Any) -> float:
+    return float(tensor.untyped_storage().nbytes())
+
+
+def _view(tensor: Any) -> tuple[Any, ...]:
+    return (tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+
+
+def _view_all(tensors: list[Any]) -> tuple[Any, ...]:
+    return tuple((_storage(t), *_view(t)) for t in tensors)
 
 
 def _bytes(tensors: list[Any]) -> float:
