@@ -32,7 +32,7 @@ from toolkit.bench import workloads
 from toolkit.commands.common import Inputs, pinned
 from toolkit.commands.estimate import EstimateRequest, count_variants, fit_on
 from toolkit.estimate import predict
-from toolkit.estimate.device import device_of
+from toolkit.estimate.device import all_reduce_of, device_of
 from toolkit.estimate.schedule import Chunk, Limits, Request, Step
 from toolkit.recipe import load_recipe
 from toolkit.submission.render import render
@@ -41,6 +41,7 @@ from toolkit.variants import find as find_variant
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "bi100-qwen36.yaml"
 SECTION2 = REPO / "benchmarks" / "data" / "target-section2"
+TIMINGS = REPO / "benchmarks" / "data" / "target-timings.yaml"
 GOAL = 0.25
 LIMITS = Limits(max_num_batched_tokens=8192, max_num_seqs=2)
 AFTER_ENV = {"MOE_NATIVE": "1", "MOE_SMALL_BATCH_VARIANT": "bmm"}
@@ -125,8 +126,8 @@ def main() -> int:
                    for name, recipe in (("measured", measured_recipe), ("two-token-bmm", after_recipe))}
         rundir = Path(args.output) if args.output else work / "censuses"
         counted = count_variants(loaded, found, recipes, request, rundir)
-    device = device_of(loaded.recipe.hardware, 4)
-    fitted = fit_on(counted["measured"], device, SECTION2)
+    device = device_of(loaded.recipe.hardware, 4, all_reduce_of(measured_recipe.env))
+    fitted = fit_on(counted["measured"], device, SECTION2, TIMINGS, {"variant": "adapter-paths"})
     costs = {name: predict.StepCost(census, device, fitted.calibration) for name, census in counted.items()}
     sections: dict[str, list[dict[str, Any]]] = {"1": [], "3": []}
     for section, table in (("1", SECTION1), ("3", SECTION3)):
@@ -141,7 +142,9 @@ def main() -> int:
         "calibration": {"launch_us": fitted.calibration.launch_us,
                         "bandwidth_fraction": fitted.calibration.bandwidth_fraction,
                         "compute_fraction": fitted.calibration.compute_fraction,
-                        "all_reduce_us": fitted.calibration.all_reduce_us, "sync_us": fitted.sync_us,
+                        "all_reduce": {n: {"latency_us": r.latency_us, "gbs": r.gbs, **fitted.checks["all_reduce"][n]}
+                                       for n, r in fitted.calibration.all_reduce.items()},
+                        "unidentified": fitted.unidentified, "sync_us": fitted.sync_us,
                         "spread": fitted.spread, "section2": fitted.regions},
         "decode_step_ms": {name: {str(int(b)): s * 1e3 for b, s in cost.decode_points}
                            for name, cost in costs.items()},
@@ -159,9 +162,14 @@ def main() -> int:
     for region, v in fitted.regions.items():
         print(f"  {region:42s} {v['measured_ms']:8.3f} -> {v['fitted_ms']:8.3f}")
     c = fitted.calibration
-    print(f"  constants: launch {c.launch_us:.1f} us, bandwidth fraction {c.bandwidth_fraction:.2f}, all-reduce "
-          f"{c.all_reduce_us:.1f} us, profiler synchronise {fitted.sync_us:.1f} us (left out of predictions), "
-          f"compute fraction {c.compute_fraction:.2f} (prior)")
+    print(f"  constants: launch {c.launch_us:.1f} us, bandwidth fraction {c.bandwidth_fraction:.2f}, profiler "
+          f"synchronise {fitted.sync_us:.1f} us (left out of predictions), compute fraction {c.compute_fraction:.2f} "
+          f"(prior)" + (f"; not identified: {', '.join(fitted.unidentified)}" if fitted.unidentified else ""))
+    print("section 4, the all-reduce per call (decided by the smallest and largest buffer): measured / predicted")
+    for name, reduce in c.all_reduce.items():
+        checked = ", ".join(f"{n} el {v['measured_ms']:.4f} / {v['predicted_ms']:.4f} ms"
+                            for n, v in fitted.checks["all_reduce"][name]["predicted"].items())
+        print(f"  {name:14s} latency {reduce.latency_us:.1f} us, ring rate {reduce.gbs:.2f} GB/s; {checked}")
     steps = "; ".join(f"{n}: " + ", ".join(f"{b} seq {ms:.1f} ms" for b, ms in d.items())
                       for n, d in result["decode_step_ms"].items())
     print(f"predicted decode step (unprofiled): {steps}")

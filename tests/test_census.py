@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from toolkit.bench.serve import free_port
-from toolkit.estimate.device import Calibration, Device, Op, seconds
+from toolkit.estimate.device import AllReduce, Calibration, Device, Op, seconds
 from toolkit.runtime import census as census_module
 from toolkit.runtime import standins
 
@@ -90,8 +90,10 @@ def test_a_linear_a_norm_and_an_all_reduce_at_tp_2_are_counted_as_by_hand(tmp_pa
         assert ops[("step.all_reduce", "ixformer.distributed.all_reduce")] == (
             "float32", "collective", 1, 0.0, rows * f32)
         assert len(ops) == 9
-    # priced: a ring moves 2 (n - 1) / n of the buffer over the link after the fixed latency: 1 of it at TP 2, 1.5 at 4
-    calibration = Calibration(launch_us=5, bandwidth_fraction=1, compute_fraction=1, all_reduce_us=20)
+    # priced: a ring moves 2 (n - 1) / n of the buffer at its implementation's rate after its latency: 1 of it at
+    # TP 2, 1.5 at 4
+    calibration = Calibration(launch_us=5, bandwidth_fraction=1, compute_fraction=1,
+                              all_reduce={"nccl": AllReduce(latency_us=20, gbs=1)})
     op = Op("ixformer.distributed.all_reduce", "step.all_reduce", 0, rows * f32, "float32", collective=True)
     for ranks, share in ((2, 1.0), (4, 1.5)):
         device = Device(bandwidth_gbs=1000, peak_tflops={"float32": 10}, link_gbs=1, ranks=ranks)

@@ -3,6 +3,7 @@ worked by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from toolkit.errors import ToolkitError
 from toolkit.estimate import calibrate
 from toolkit.estimate.count import Counted, CountedStep
-from toolkit.estimate.device import Calibration, Device, Op, seconds
+from toolkit.estimate.device import AllReduce, Calibration, Device, Op, all_reduce_of, seconds
 from toolkit.estimate.predict import StepCost, regions
 from toolkit.estimate.predict import requests as predict_requests
 from toolkit.estimate.schedule import Chunk, Limits, Request, Step, simulate
@@ -75,7 +76,8 @@ def test_a_request_needs_a_prompt_and_a_budget_that_admits_a_token() -> None:
 
 
 BI_V100 = Device(bandwidth_gbs=1200, peak_tflops={"bfloat16": 147, "float32": 37}, link_gbs=32, ranks=4)
-FITTED = Calibration(launch_us=10, bandwidth_fraction=0.5, compute_fraction=0.5, all_reduce_us=100)
+NCCL = {"nccl": AllReduce(latency_us=100, gbs=32)}
+FITTED = Calibration(launch_us=10, bandwidth_fraction=0.5, compute_fraction=0.5, all_reduce=NCCL)
 
 
 def test_an_operation_costs_a_launch_and_the_longer_of_its_compute_and_its_traffic() -> None:
@@ -87,7 +89,8 @@ def test_an_operation_costs_a_launch_and_the_longer_of_its_compute_and_its_traff
     # the same weights for 8192 tokens: 137 GFLOP at 73.5 TFLOP/s = 1.87 ms, compute-bound
     prefill = Op("linear", "mlp", flops=2 * 8192 * 2048 * 4096, bytes=weights, dtype="bfloat16")
     assert seconds(prefill, BI_V100, FITTED) == pytest.approx(10e-6 + 2 * 8192 * 2048 * 4096 / 73.5e12)
-    # a TP all-reduce of one token's 2048 bf16 values over 4 cards: 100 us + 1.5 x 4096 B at 32 GB/s
+    # a TP all-reduce of one token's 2048 bf16 values over 4 cards (NCCL, the device's default): 100 us + 1.5 x 4096 B
+    # at its 32 GB/s
     reduce = Op("all_reduce", "moe", flops=0, bytes=4096, dtype="bfloat16", collective=True)
     assert seconds(reduce, BI_V100, FITTED) == pytest.approx(100e-6 + 1.5 * 4096 / 32e9)
     one_card = Device(1200, {"bfloat16": 147}, 32, ranks=1)
@@ -110,7 +113,9 @@ def test_a_dtype_without_a_peak_is_refused_with_the_field_to_add() -> None:
         seconds(Op("linear", "mlp", 1, 1, "float16"), BI_V100, FITTED)
     assert "hardware.peak_tflops" in (error.value.hint or "")
     with pytest.raises(ValueError, match="fractions"):
-        Calibration(launch_us=1, bandwidth_fraction=1.5, compute_fraction=0.5, all_reduce_us=0)
+        Calibration(launch_us=1, bandwidth_fraction=1.5, compute_fraction=0.5)
+    with pytest.raises(ValueError, match="custom: not one of nccl, ixformer-ipc"):
+        Calibration(launch_us=1, bandwidth_fraction=0.5, compute_fraction=0.5, all_reduce={"custom": NCCL["nccl"]})
 
 
 def test_the_image_layer_gives_the_bi_v100s_public_figures() -> None:
@@ -138,8 +143,7 @@ def test_a_step_is_priced_from_the_counted_shapes_nearest_it_on_its_slowest_rank
     counted = Counted([_step((), (16,), 100), _step((), (256,), 400), _step((33, 33), (), 50, rank_one=60),
                        _step((33,), (), 40), _step((34,), (), 30), _step((35,), (), 35),
                        _step((), (16, 16), 1000)], tmp_path, [])
-    cost = StepCost(counted, BI_V100, Calibration(launch_us=10, bandwidth_fraction=1, compute_fraction=1,
-                                                  all_reduce_us=0))
+    cost = StepCost(counted, BI_V100, Calibration(launch_us=10, bandwidth_fraction=1, compute_fraction=1))
     launch = 10e-6 + 1 / 1200e9  # a one-byte kernel
     # each rank's cheapest count of a shape (a path's first call may do one-off work), then the slowest rank; a
     # joint prefill of two prompts prices nothing
@@ -180,7 +184,7 @@ def test_the_fit_recovers_the_constants_that_made_the_measured_times(tmp_path: P
     entries = {"step.model_forward": 1.0, f"{layer}.gdn": 30.0, f"{layer}.moe": 40.0, f"{layer}.moe.routed": 40.0,
                f"{layer}.moe.all_reduce": 40.0, f"{layer}.attention": 10.0, "step.compute_logits": 1.0}
     truth = Calibration(launch_us=25, bandwidth_fraction=0.3, compute_fraction=calibrate.COMPUTE_FRACTION,
-                        all_reduce_us=80)
+                        all_reduce={"nccl": AllReduce(80, 5)})
     timed = frozenset(entries)
     truths = calibrate._predicted(step, entries, BI_V100, truth, 150.0, list(entries), timed)
     made = [calibrate.Measured(region, truths[region] * 1e3, calls) for region, calls in entries.items()]
@@ -190,15 +194,200 @@ def test_the_fit_recovers_the_constants_that_made_the_measured_times(tmp_path: P
     synced, bare = (calibrate._predicted(step, entries, BI_V100, truth, sync, [moe], timed)[moe]
                      for sync in (100.0, 0.0))
     assert synced - bare == pytest.approx(5 * 100e-6)
-    fitted = calibrate.fit(step, entries, BI_V100, made, "made")
-    assert fitted.spread < 1.02
+    fitted = calibrate.fit(step, entries, BI_V100, made, "made", dict(truth.all_reduce))
+    assert fitted.spread < 1.02 and fitted.unidentified == []
     assert fitted.calibration.launch_us == pytest.approx(25, rel=0.05)
     assert fitted.calibration.bandwidth_fraction == pytest.approx(0.3, rel=0.05)
     assert fitted.sync_us == pytest.approx(150, rel=0.05)
-    assert fitted.calibration.all_reduce_us == pytest.approx(80, rel=0.05)
     written = tmp_path / "calibration.yaml"
     written.write_text(fitted.as_yaml(), encoding="utf-8")
     again = calibrate.read(written)
     assert again.calibration == fitted.calibration and again.regions == fitted.regions
     with pytest.raises(ToolkitError, match="match the counted step's regions"):
-        calibrate.fit(step, entries, BI_V100, [calibrate.Measured("step.other", 1.0, 1)], "made")
+        calibrate.fit(step, entries, BI_V100, [calibrate.Measured("step.other", 1.0, 1)], "made", {})
+    # a constant the records cannot decide ends at a bound of its range, and the calibration says so: regions
+    # measured faster than any launch and any read leave the launch cost at its floor, the bandwidth at its peak
+    fast = [calibrate.Measured(region, 1e-5, calls) for region, calls in entries.items()]
+    stuck = calibrate.fit(step, entries, BI_V100, fast, "made", dict(truth.all_reduce))
+    assert stuck.unidentified == ["launch_us", "bandwidth_fraction"]
+    assert calibrate.to_json(stuck)["unidentified"] == stuck.unidentified
+
+
+def test_the_variants_env_picks_its_all_reduce_and_ipc_off_is_a_slower_step(tmp_path: Path) -> None:
+    """ENABLE_CUSTOM_IPC=1 prices a step's all-reduces as ixformer's IPC calls, anything else as NCCL's, with each
+    implementation's constants decided by the target's calls at two buffer sizes."""
+    assert all_reduce_of({"ENABLE_CUSTOM_IPC": "1"}) == "ixformer-ipc"
+    assert all_reduce_of({}) == all_reduce_of({"ENABLE_CUSTOM_IPC": "0"}) == "nccl"
+    with pytest.raises(ToolkitError, match="ENABLE_CUSTOM_IPC='yes': ixformer turns its IPC all-reduce on for 1"):
+        all_reduce_of({"ENABLE_CUSTOM_IPC": "yes"})
+    from conftest import REPO
+
+    timings = REPO / "benchmarks" / "data" / "target-timings.yaml"
+    reduces, _, checks = calibrate.timings(timings, ranks=4)
+    # decided by 2,048 and 65,536 elements (float16); 8,192 is a prediction, kept beside them
+    assert reduces["nccl"].latency_us == pytest.approx(226.1, abs=0.1)
+    assert reduces["ixformer-ipc"].latency_us == pytest.approx(19.3, abs=0.1)
+    for name, measured in (("nccl", 0.2270), ("ixformer-ipc", 0.0282)):
+        check = checks["all_reduce"][name]["predicted"]["8192"]
+        assert check["measured_ms"] == measured
+        assert check["predicted_ms"] == pytest.approx(measured, rel=0.06)
+    with pytest.raises(ToolkitError, match="timed at 4 ranks, the estimate runs 2"):
+        calibrate.timings(timings, ranks=2)
+    calibration = Calibration(launch_us=10, bandwidth_fraction=0.5, compute_fraction=0.5, all_reduce=reduces)
+    layer = "step.model_forward.layer"
+    step = CountedStep((65,), ())
+    # a decode step's 80 all-reduces of one token's 2,048 half values, beside its other work
+    step.ranks[0] = [Op("weights", f"{layer}.moe", 0, 4e8, "float16", calls=400),
+                     Op("ixformer.distributed.all_reduce", f"{layer}.moe", 0, 80 * 4096, "float16",
+                        collective=True, calls=80)]
+    counted = Counted([step, CountedStep((), (16,), {0: step.ranks[0]})], tmp_path, [])
+    ipc, nccl = (StepCost(counted, Device(1200, {"float16": 147}, 32, 4, all_reduce_of(env)), calibration)
+                 for env in ({"ENABLE_CUSTOM_IPC": "1"}, {"ENABLE_CUSTOM_IPC": "0"}))
+    slower = nccl(Step((65,), ())) - ipc(Step((65,), ()))
+    assert slower == pytest.approx(80 * (0.2270 - 0.0212) * 1e-3, rel=0.02)
+    without = Calibration(launch_us=10, bandwidth_fraction=0.5, compute_fraction=0.5, all_reduce=NCCL)
+    with pytest.raises(ToolkitError, match="prices no ixformer-ipc all-reduce \\(it has: nccl\\)"):
+        StepCost(counted, Device(1200, {"float16": 147}, 32, 4, "ixformer-ipc"), without)
+
+
+REPLAY = Path(__file__).resolve().parent.parent.parent / "shared" / "platform-replay" / "requests.csv"
+
+
+def _replay_file(tmp_path: Path, rows: list[str]) -> Path:
+    path = tmp_path / "requests.csv"
+    path.write_text("index,request_id,prompt_tokens,output_tokens,finish_reason,completion_limit,failed_on_694\n"
+                    + "\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+def test_the_replays_shapes_are_read_whole_in_order_and_a_bad_row_is_refused_with_its_line(tmp_path: Path) -> None:
+    from toolkit.bench import workloads
+
+    every = workloads.recorded(REPLAY)
+    assert len(every) == 881 and [r.index for r in every] == list(range(881))
+    assert sum(r.prompt_tokens is not None for r in every) == 664
+    assert every[113].prompt_tokens == 254_336 and every[113].completion_limit == 4096
+    with pytest.raises(ToolkitError, match=r"requests.csv:3: index 2 where 1 comes next"):
+        workloads.recorded(_replay_file(tmp_path, ["0,a,10,5,stop,,", "2,b,10,5,stop,,"]))
+    with pytest.raises(ToolkitError, match=r"requests.csv:2: prompt_tokens '1e4' is not a count"):
+        workloads.recorded(_replay_file(tmp_path, ["0,a,1e4,5,stop,,"]))
+    headless = tmp_path / "bare.csv"
+    headless.write_text("index,prompt_tokens\n0,5\n", encoding="utf-8")
+    with pytest.raises(ToolkitError, match=r"bare.csv:1: no column request_id, output_tokens, completion_limit"):
+        workloads.recorded(headless)
+    # bench cannot send shapes: it says which verb predicts them
+    with pytest.raises(ToolkitError, match="cannot be sent") as error:
+        workloads.replay(REPLAY)
+    assert "--workload replay" in (error.value.hint or "")
+
+
+def test_a_workload_file_is_never_cut_without_saying_so(tmp_path: Path) -> None:
+    from toolkit.bench import workloads
+
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("".join(f'{{"id": "c{i}", "turns": [{{"user": "q{i}"}}]}}\n' for i in range(12)), encoding="utf-8")
+    every, said = workloads.build("conversations", None, path)
+    assert len(every) == 12 and said is None
+    some, said = workloads.build("conversations", 8, path)
+    assert len(some) == 8 and said == f"--requests 8: the first 8 of the 12 conversations in {path}"
+    assert len(workloads.build("short", None, None)[0]) == 8
+
+
+def _replay_cost(step: Step) -> float:
+    """A prefill token costs 1 ms, a decode step 50 ms."""
+    return 0.001 * sum(c.tokens for c in step.prefills) + (0.05 if step.decodes else 0.0)
+
+
+def test_the_replay_runs_one_at_a_time_inside_its_budget_and_every_request_not_served_fails(tmp_path: Path) -> None:
+    from toolkit.bench import workloads
+    from toolkit.estimate import replay
+
+    rows = workloads.recorded(_replay_file(tmp_path, [
+        "0,a,1000,10,stop,,", "1,b,1500,10,stop,,", "2,c,,,,,", "3,d,9000,10,stop,4096,", "4,e,2000,20,stop,,"]))
+    served = replay.Served(max_model_len=10_000, prefix_caching=True, cuts_completion_limit=False)
+    limits = Limits(max_num_batched_tokens=512, max_num_seqs=4)
+    whole = replay.predict(rows, served, limits, _replay_cost)
+    # row 2's lengths are the known ones' means (3,375 prompt, 12.5 -> 12 output); row 3 asks 9,000 + 4,096 of a
+    # 10,000-token context: vLLM 0.6.3's 400, in no time
+    assert [r.prompt_tokens for r in whole.records] == [1000, 1500, 3375, 9000, 2000]
+    assert [r.failure for r in whole.records] == [None, None, None, "http_4xx", None]
+    assert any("1 of 5 prompt lengths are not in the file: each is the known ones' mean, 3,375" in s
+               for s in whole.said)
+    # the prefix cache: the longest shorter prompt among the three before, in whole blocks
+    assert [r.cached_tokens for r in whole.records] == [0, 992, 1488, 0, 1488]
+    # each request is sent when the one before it ends: 1000 tokens at 1 ms, then 9 decode steps of 50 ms
+    first = whole.records[0]
+    assert (first.t0, first.ttft, first.e2e) == (0.0, pytest.approx(1.0), pytest.approx(1.45))
+    assert whole.records[1].t0 == pytest.approx(1.45)
+    assert whole.finished == 4 and whole.metrics["success_rate"] == pytest.approx(4 / 5)
+    # a budget that ends inside request 1: request 1 is cut, the others never start; all of them failures
+    tight = replay.predict(rows, served, limits, _replay_cost, budget_s=1.5)
+    assert [(r.ok, r.failure, r.message) for r in tight.records] == [
+        (True, None, ""), (False, "timeout", "still running when the budget ended"),
+        (False, "timeout", "not dispatched inside the budget"), (False, "timeout", "not dispatched inside the budget"),
+        (False, "timeout", "not dispatched inside the budget")]
+    assert (tight.finished, tight.cut, tight.dispatched, tight.refused) == (1, 1, 2, 0)
+    assert tight.metrics["success_rate"] == pytest.approx(1 / 5) and tight.wall_s == 1.5
+    # the completion-limit cut serves row 3 with the room left
+    cut = replay.predict(rows, replay.Served(10_000, True, True), limits, _replay_cost)
+    assert cut.records[3].ok and cut.records[3].completion_tokens == 10
+    assert cut.finished == 5
+
+
+def test_the_replays_prefix_model_is_checked_against_the_logged_hit_rate() -> None:
+    from toolkit.bench import workloads
+    from toolkit.estimate import replay
+
+    rows = workloads.recorded(REPLAY)
+    prompts = [r.prompt_tokens or 0 for r in rows]
+    hits = replay.cached(prompts)
+    served = [i for i, r in enumerate(rows) if r.prompt_tokens is not None and r.index < 683]
+    rate = sum(hits[i] for i in served) / sum(prompts[i] for i in served)
+    # the threads' median length as its window, not a fit: 53% of the prompt tokens against 58% logged
+    assert 0.45 < rate < replay.LOGGED_HIT_RATE
+
+
+def test_a_decode_costs_more_with_its_context_on_the_path_the_target_measured(tmp_path: Path) -> None:
+    """The calibration's decode against context: two lines through the figures that decide them (two on each side of
+    32,768 tokens, where the adapter's decode changes path); the other figures are predictions within 25%."""
+    from conftest import REPO
+
+    _, decode, checks = calibrate.timings(REPO / "benchmarks" / "data" / "target-timings.yaml", ranks=4)
+    assert decode is not None and decode.path_above == 32_768
+    assert 1 / decode.seconds(32_768) == pytest.approx(10.188) and 1 / decode.seconds(235_000) == pytest.approx(3.698)
+    predicted = checks["decode_context"]["predicted"]
+    assert sorted(predicted) == ["131072", "65536"]
+    for figure in predicted.values():
+        assert abs(figure["predicted_tok_s"] / figure["measured_tok_s"] - 1) < 0.25
+    # a counted decode (at the census's 65 tokens) gets what the context adds on the target; a prefill nothing
+    counted = Counted([_step((65,), (), 100), _step((), (16,), 100), _step((), (256,), 400)], tmp_path, [])
+    flat = Calibration(launch_us=10, bandwidth_fraction=1, compute_fraction=1)
+    short, deep = (StepCost(counted, BI_V100, dataclasses.replace(flat, decode_context=context))
+                   for context in (None, decode))
+    assert deep(Step((65,), ())) == pytest.approx(short(Step((65,), ())))
+    at_235k = deep(Step((235_000,), ())) - short(Step((235_000,), ()))
+    assert at_235k == pytest.approx(1 / 3.698 - decode.seconds(65), rel=1e-6)
+    assert deep(Step((), (Chunk(256, 200_000),))) == short(Step((), (Chunk(256, 200_000),)))
+    # the calibration file keeps it, with what decided it and what it predicts
+    fitted = calibrate.Fitted(dataclasses.replace(flat, all_reduce={"nccl": AllReduce(1, 1)}, decode_context=decode),
+                              0.0, "made", checks=checks)
+    written = tmp_path / "calibration.yaml"
+    written.write_text(fitted.as_yaml(), encoding="utf-8")
+    again = calibrate.read(written)
+    assert again.calibration.decode_context == decode and again.checks["decode_context"] == checks["decode_context"]
+
+
+def test_a_switch_only_the_image_library_reads_does_not_count_its_variant_again() -> None:
+    """ENABLE_CUSTOM_IPC changes how the device reduces (priced by the device model), not the code the census runs:
+    its variants share a census; a switch the served code reads does not."""
+    from toolkit.commands.estimate import _census_key
+
+    def config(env: dict[str, str]) -> str:
+        items = "".join(f"  - name: {k}\n    value: '{v}'\n" for k, v in env.items())
+        return f"command: [python, -m, vllm.entrypoints.openai.api_server, --max-num-seqs, '4']\nenv:\n{items}"
+
+    device_only = frozenset({"ENABLE_CUSTOM_IPC"})
+    ipc = _census_key(config({"ENABLE_CUSTOM_IPC": "1", "MOE_NATIVE": "1"}), device_only)
+    assert ipc == _census_key(config({"ENABLE_CUSTOM_IPC": "0", "MOE_NATIVE": "1"}), device_only)
+    assert ipc != _census_key(config({"ENABLE_CUSTOM_IPC": "1", "MOE_NATIVE": "0"}), device_only)
+    assert ipc != _census_key(config({"ENABLE_CUSTOM_IPC": "0", "MOE_NATIVE": "1"}), frozenset())

@@ -106,17 +106,37 @@ def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tu
     report, recipe, inputs, config = switched
     records = Path(report.extra["variants"]["moe-adapter"]["census"]) / "profile"
     written = tmp_path / "fitted.yaml"
+    # the target's timings as if taken at the census's TP 2 (a ring's traffic depends on the ranks)
+    timings = tmp_path / "timings.yaml"
+    timings.write_text((REPO / "benchmarks" / "data" / "target-timings.yaml").read_text(encoding="utf-8").replace(
+        "ranks: 4", "ranks: 2"), encoding="utf-8")
     fitted = estimate(EstimateRequest(recipe, inputs, variant="moe-adapter", tp=2, calibrate=records,
-                                      model_config=config, write=written, output=tmp_path / "run"))
+                                      model_config=config, write=written, output=tmp_path / "run", timings=timings))
     calibration = fitted.extra["calibration"]
+    assert calibration["fitted_with"]["variant"] == "moe-adapter"
+    assert calibration["fitted_with"]["all_reduce"] == "ixformer-ipc"  # the flagship's ENABLE_CUSTOM_IPC=1
+    assert calibration["decode_context"]["path_above"] == 32_768
     assert written.is_file() and written.read_text(encoding="utf-8").startswith("# toolkit estimate's")
     assert all(max(r["fitted_ms"] / r["measured_ms"], r["measured_ms"] / r["fitted_ms"]) <= calibration["spread"]
                for r in calibration["regions"].values())
     assert {"step.model_forward.layer.moe", "step.model_forward.layer.gdn"} <= set(calibration["regions"])
-    # the written file is what the next estimate reads
+    # the written file is what the next estimate reads, here of a replay's shapes: every request counted, the one
+    # whose prompt fills the context refused, the one with no lengths filled and said
+    shapes = tmp_path / "requests.csv"
+    shapes.write_text("index,request_id,prompt_tokens,output_tokens,finish_reason,completion_limit,failed_on_694\n"
+                      "0,a,300,6,stop,,\n1,b,500,4,tool_calls,,\n2,c,,,,,\n3,d,270000,4,stop,4096,\n",
+                      encoding="utf-8")
     again = estimate(EstimateRequest(recipe, inputs, variant="moe-adapter", tp=2, calibration=written,
-                                     requests=2, max_tokens=4, model_config=config, output=tmp_path / "again"))
+                                     workload="replay", conversations=shapes, model_config=config,
+                                     output=tmp_path / "again"))
     assert again.extra["calibration"]["launch_us"] == pytest.approx(calibration["launch_us"])
+    replayed = again.extra["variants"]["moe-adapter"]["replay"]
+    assert (replayed["requests"], replayed["finished"], replayed["refused"]) == (4, 3, 1)
+    assert replayed["success_rate"] == pytest.approx(3 / 4)
+    assert any("1 of 4 prompt lengths are not in the file" in said for said in replayed["said"])
+    assert "finished in budget" in again.columns and again.rows[0][7] == "3/4 in " + f"{replayed['wall_s']:,.0f} s"
+    with pytest.raises(ToolkitError, match="the platform replays one request at a time"):
+        estimate(EstimateRequest(recipe, inputs, workload="replay", conversations=shapes, concurrency=(1, 2)))
     with pytest.raises(ToolkitError, match="exists; nothing was fitted"):
         estimate(EstimateRequest(recipe, inputs, calibrate=records, write=written))
     unsynced = tmp_path / "unsynced"
@@ -126,7 +146,9 @@ def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tu
         (unsynced / source.name).write_text("".join(json.dumps({**line, "sync": False}) + "\n" for line in lines),
                                             encoding="utf-8")
     with pytest.raises(ToolkitError, match="without TOOLKIT_PROFILE_SYNC=1"):
-        estimate(EstimateRequest(recipe, inputs, calibrate=unsynced))
+        estimate(EstimateRequest(recipe, inputs, calibrate=unsynced, timings=timings))
+    with pytest.raises(ToolkitError, match="--calibrate needs the target's timings"):
+        estimate(EstimateRequest(recipe, inputs, calibrate=records))
     with pytest.raises(ToolkitError, match="without --calibrate: nothing to write"):
         estimate(EstimateRequest(recipe, inputs, write=tmp_path / "new.yaml"))
 
@@ -134,8 +156,12 @@ def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tu
 def test_what_the_estimate_cannot_run_is_refused_before_a_census(tmp_path: Path, adapter: tuple[Path, str]) -> None:
     clone, commit = adapter
     sources = Inputs({"qwen36-adapter": f"{clone}@{commit}"})  # (without: tests/test_complete_tree.py)
-    with pytest.raises(ToolkitError, match="--workload replay: not one of"):
-        estimate(EstimateRequest(FLAGSHIP, workload="replay"))
+    with pytest.raises(ToolkitError, match="--workload bodies: not one of"):
+        estimate(EstimateRequest(FLAGSHIP, workload="bodies"))
+    with pytest.raises(ToolkitError, match="--workload replay needs the replay's shapes file"):
+        estimate(EstimateRequest(FLAGSHIP, sources, workload="replay"))
+    with pytest.raises(ToolkitError, match="--requests with --workload replay: the platform replays every request"):
+        estimate(EstimateRequest(FLAGSHIP, sources, workload="replay", conversations=tmp_path / "r.csv", requests=8))
     with pytest.raises(ToolkitError, match="each concurrency is 1 or more"):
         estimate(EstimateRequest(FLAGSHIP, concurrency=(0,)))
     with pytest.raises(ToolkitError, match="no estimate: section"):

@@ -196,17 +196,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     them on the recipe's hardware (bandwidth, peak, link) with constants fitted on the target's measurements (the
     calibration file estimate.calibration names), and vLLM 0.6.3's scheduler is simulated step by step on the
     workload: TTFT P90, Output TPS P10/P50, aggregate TPS and the official score, with the range the calibration
-    supports. --calibrate DIR fits the constants on TOOLKIT_PROFILE_SYNC=1 records from the target instead."""
+    supports. `--workload replay requests.csv` predicts the platform's own replay: which of its requests finish
+    inside the budget, success, the score, Output TPS P10 and TTFT P90 per official bucket. --calibrate DIR
+    --timings FILE fits the constants on TOOLKIT_PROFILE_SYNC=1 records from the target instead."""
     from toolkit.commands import estimate as estimate_cmd
 
     kind, *rest = args.workload
-    if len(rest) > 1 or (kind == "conversations") != bool(rest):
-        raise ToolkitError(f"--workload {' '.join(args.workload)}: expected short, tools or conversations FILE")
+    if len(rest) > 1 or (kind in ("conversations", "replay")) != bool(rest):
+        raise ToolkitError(f"--workload {' '.join(args.workload)}: expected short, tools, conversations FILE or "
+                           "replay FILE", hint="e.g. --workload replay ../shared/platform-replay/requests.csv")
     return _show(estimate_cmd.estimate(estimate_cmd.EstimateRequest(
         Path(args.recipe), _inputs(args), args.variant, args.all_variants, kind, _path(rest[0] if rest else None),
         _concurrency(args.concurrency), args.requests, args.max_tokens, _path(args.model_config),
         _path(args.calibration), _path(args.output), _path(args.rootfs), _path(args.calibrate),
-        _path(args.write), args.tp)), args)
+        _path(args.write), _path(args.timings), args.tp)), args)
 
 
 def _load(args: argparse.Namespace) -> bench_cmd.Load:
@@ -448,15 +451,22 @@ def build_parser() -> argparse.ArgumentParser:
     _trees_options(p, model_config="the checkpoint's config.json: the layers are built at its widths (default: "
                    "the recipe's model: section)")
     p.add_argument("--workload", nargs="+", default=["short"], metavar="KIND [FILE]",
-                   help="short, tools (29 tool schemas) or conversations FILE (jsonl, as toolkit bench reads it)")
+                   help="short, tools (29 tool schemas), conversations FILE (jsonl, as toolkit bench reads it) or "
+                   "replay FILE (the platform's replay: its requests' shapes, requests.csv; every request one at a "
+                   "time inside its 46,800 s budget, the platform's metrics over all of them)")
     p.add_argument("--concurrency", default="1", metavar="N[,N...]", help="closed-loop clients, e.g. 1,2")
-    p.add_argument("--requests", type=int, default=8, help="requests (short, tools) or conversations")
+    p.add_argument("--requests", type=int, metavar="N", help="requests (short, tools: default 8), or a file's first N "
+                   "conversations (default: all of them; fewer are said in the report)")
     p.add_argument("--max-tokens", type=int, default=128, help="answer tokens a request (each runs its full length)")
     p.add_argument("--calibration", metavar="FILE", help="the device model's constants (default: the recipe's "
                    "estimate.calibration)")
     p.add_argument("--calibrate", metavar="DIR", help="fit the constants on TOOLKIT_PROFILE_SYNC=1 records from the "
                    "target (`toolkit profile`'s input) with the chosen variant's census, and print the fit")
     p.add_argument("--write", metavar="FILE", help="with --calibrate: write the calibration there (a new path)")
+    p.add_argument("--timings", metavar="FILE", help="with --calibrate: what the target timed beside the profile "
+                   "(benchmarks/data/target-timings.yaml): each all-reduce implementation's calls at several buffer "
+                   "sizes, the decode rate against the context; the figures it names decide the constants, the "
+                   "others are predicted")
     p.add_argument("--tp", type=int, metavar="N", help="the census's ranks (default: the recipe's own TP, at which "
                    "the target runs; each rank is a process on this CPU)")
     p.add_argument("-o", "--output", metavar="DIR", help="where the censuses' logs and records go (a new or empty "
@@ -474,7 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="short, tools (29 tool schemas), conversations FILE (jsonl: {id, system?, tools?, "
                        "turns: [{user, assistant?, max_tokens?}]}) or replay FILE (jsonl of request bodies)")
         p.add_argument("--concurrency", default="1", metavar="N[,N...]", help="closed-loop workers, e.g. 1,2,4")
-        p.add_argument("--requests", type=int, default=8, help="requests (short, tools) or conversations to send")
+        p.add_argument("--requests", type=int, metavar="N", help="requests to send (short, tools: default 8), or a "
+                       "file's first N conversations (default: all; fewer are said)")
         p.add_argument("--max-tokens", type=int, default=128)
         p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens tokens (vLLM)")
         p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")

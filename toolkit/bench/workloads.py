@@ -1,8 +1,11 @@
-"""The workloads: short prompts, 29 tool schemas, cumulative multi-turn conversations, and replayed bodies."""
+"""The workloads: short prompts, 29 tool schemas, cumulative multi-turn conversations, replayed bodies, and the
+platform's recorded replay (request shapes without bodies: what `toolkit estimate` simulates)."""
 
 from __future__ import annotations
 
+import csv
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +93,10 @@ def conversations(path: Path, requests: int | None = None) -> list[Conversation]
 
 def replay(path: Path, requests: int | None = None) -> list[Conversation]:
     """One full OpenAI request body per line, like the official replay."""
+    if path.suffix == ".csv":
+        raise ToolkitError(f"{path}: a replay's shapes (lengths, no bodies) cannot be sent",
+                           hint="`toolkit estimate RECIPE --workload replay FILE` predicts it; bench replays a JSON "
+                           "lines file of request bodies")
     out = []
     for number, item in _jsonl(path):
         if not isinstance(item.get("messages"), list):
@@ -98,11 +105,69 @@ def replay(path: Path, requests: int | None = None) -> list[Conversation]:
     return out[:requests] if requests else out
 
 
-def build(kind: str, requests: int, file: Path | None) -> list[Conversation]:
+def build(kind: str, requests: int | None, file: Path | None) -> tuple[list[Conversation], str | None]:
+    """The workload's conversations, and what was left out of a file (None when nothing was): `requests` caps a
+    file's conversations (all of them without it), and counts the short and tools requests (8 without it)."""
     if kind == "short":
-        return short(requests)
+        return short(requests or 8), None
     if kind == "tools":
-        return tools(requests)
+        return tools(requests or 8), None
     if file is None:
         raise ToolkitError(f"workload {kind} needs a file", hint=f"--workload {kind} FILE")
-    return conversations(file, requests) if kind == "conversations" else replay(file, requests)
+    every = conversations(file) if kind == "conversations" else replay(file)
+    if requests is None or requests >= len(every):
+        return every, None
+    return every[:requests], (f"--requests {requests}: the first {requests} of the {len(every)} "
+                              f"{'conversations' if kind == 'conversations' else 'requests'} in {file}")
+
+
+RECORDED_COLUMNS = ("index", "request_id", "prompt_tokens", "output_tokens", "completion_limit")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One request of the platform's replay as its logs give it (../shared/platform-replay/requests.csv): a length
+    is None where no log printed it."""
+
+    index: int
+    request_id: str
+    prompt_tokens: int | None
+    output_tokens: int | None
+    completion_limit: int | None  # the request's max_completion_tokens
+
+
+def recorded(path: Path) -> list[Recorded]:
+    """Every row of a replay's shapes file, in dispatch order (its `index` column, which must count 0, 1, 2, ...):
+    nothing is dropped; a malformed row is refused with its line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ToolkitError(f"replay file {path}: {exc.strerror}",
+                           hint="give the platform's requests.csv (../shared/platform-replay/requests.csv)") from None
+    reader = csv.DictReader(text.splitlines())
+    missing = [c for c in RECORDED_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ToolkitError(f"{path}:1: no column {', '.join(missing)} (header: {', '.join(reader.fieldnames or [])})",
+                           hint=f"a replay's shapes file has the columns {', '.join(RECORDED_COLUMNS)}")
+    out: list[Recorded] = []
+    for row in reader:
+        line = reader.line_num
+
+        def number(column: str, row: dict[str, str] = row, line: int = line) -> int | None:
+            value = (row.get(column) or "").strip()
+            if not value:
+                return None
+            if not value.isdigit() or (column != "index" and int(value) < 1):
+                raise ToolkitError(f"{path}:{line}: {column} {value!r} is not a count",
+                                   hint="a whole number of tokens, or empty where the logs do not give it")
+            return int(value)
+
+        index = number("index")
+        if index != len(out):
+            raise ToolkitError(f"{path}:{line}: index {index} where {len(out)} comes next",
+                               hint="rows in dispatch order, indexed from 0 without a gap")
+        out.append(Recorded(len(out), (row.get("request_id") or "").strip(), number("prompt_tokens"),
+                            number("output_tokens"), number("completion_limit")))
+    if not out:
+        raise ToolkitError(f"{path}: no requests")
+    return out

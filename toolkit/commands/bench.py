@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ class Load:
     workload: str = "short"
     workload_file: Path | None = None  # for conversations and replay
     concurrency: tuple[int, ...] = (1,)  # closed-loop workers, one run each
-    requests: int = 8  # requests (short, tools) or conversations
+    requests: int | None = None  # requests (short, tools: 8 without it) or a file's first conversations (all)
     max_tokens: int = 128
     ignore_eos: bool = False
     timeout_s: float = 600.0
@@ -41,7 +42,10 @@ class Load:
                                hint="e.g. --workload conversations tests/data/conversations.jsonl")
         if self.workload in ("short", "tools") and self.workload_file is not None:
             raise ToolkitError(f"--workload {self.workload} takes no file")
-        return self.workload, workloads.build(self.workload, self.requests, self.workload_file)
+        built, left_out = workloads.build(self.workload, self.requests, self.workload_file)
+        if left_out:
+            print(f"bench: {left_out}", file=sys.stderr, flush=True)
+        return self.workload, built
 
     def settings(self, url: str) -> Settings:
         from toolkit.bench.client import Settings

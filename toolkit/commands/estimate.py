@@ -21,7 +21,7 @@ from toolkit.recipe import Estimate, LoadedRecipe, Recipe, load_recipe
 from toolkit.results import Report
 from toolkit.trial import require_complete
 
-WORKLOADS = ("short", "tools", "conversations")
+WORKLOADS = ("short", "tools", "conversations", "replay")
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,9 @@ class EstimateRequest:
     variant: str | None = None
     all_variants: bool = False
     workload: str = "short"
-    conversations: Path | None = None  # the conversations workload's file
+    conversations: Path | None = None  # the conversations workload's file, or the replay's shapes (requests.csv)
     concurrency: tuple[int, ...] = (1,)
-    requests: int = 8  # requests (short, tools) or conversations
+    requests: int | None = None  # requests (short, tools: 8 without it) or a file's first conversations (all)
     max_tokens: int = 128
     model_config: Path | None = None  # the checkpoint's config.json folder: the layers at its widths
     calibration: Path | None = None  # default: the recipe's estimate.calibration
@@ -41,6 +41,7 @@ class EstimateRequest:
     rootfs: Path | None = None  # vendor roots as the image holds them (default: the CoreX-like reference)
     calibrate: Path | None = None  # TOOLKIT_PROFILE_SYNC=1 records from the target: fit the constants on them
     write: Path | None = None  # with calibrate: the calibration file to write (a new path)
+    timings: Path | None = None  # with calibrate: the target's all-reduce calls and decode against context
     tp: int | None = None  # the census's ranks (default: the recipe's own tensor-parallel size)
 
 
@@ -62,20 +63,23 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _census_key(run_config: str) -> str:
+def _census_key(run_config: str, device_only: frozenset[str]) -> str:
     """What decides the code path a census counts: the run config's env and argv, less the scheduler's budget
-    (--max-num-seqs, --max-num-batched-tokens), which the simulation takes and the census replaces."""
+    (--max-num-seqs, --max-num-batched-tokens), which the simulation takes and the census replaces, and less the env
+    only a GPU library reads on the image (`device_only`: its stand-in here does not, e.g. ENABLE_CUSTOM_IPC, which
+    the device model prices instead)."""
     import yaml
 
     from toolkit.bench import experiment
 
     config = yaml.safe_load(run_config)
+    env = {k: v for k, v in experiment.run_config_env(run_config).items() if k not in device_only}
     given = [str(a) for a in config.get("command") or []]
     # `--flag true` is vLLM's boolean switch given as `--flag` (its StoreBoolean action)
     argv = [a for i, a in enumerate(given) if not (a.lower() == "true" and i and given[i - 1].startswith("--"))]
     for flag in ("--max-num-seqs", "--max-num-batched-tokens"):
         argv = experiment.set_flag(argv, flag, "-")
-    return hashlib.sha256(json.dumps([argv, config.get("env")], sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([argv, env], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[str, tuple[Recipe, str]],
@@ -117,8 +121,9 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
                                                   dict(request.inputs.package_roots), image=image)
         else:
             tree = runtime_preflight.patched_copy(loaded, found, work, image=image)
+        device_only = frozenset(v for library in loaded.recipe.base_image.gpu_libraries for v in library.reads_env)
         for name, (variant_recipe, run_config) in recipes.items():
-            key = _census_key(run_config)
+            key = _census_key(run_config, device_only)
             if key in by_key:
                 counted[name] = by_key[key]
                 _say(f"estimate: {name} runs the code path already counted")
@@ -147,6 +152,20 @@ def _limits(loaded: LoadedRecipe, recipe: Recipe, name: str) -> Any:
     context = LintContext(loaded, recipe, name)
     chunked = context.chunked_prefill_effective()
     return Limits(context.max_num_batched_tokens() or 512, context.int_arg("max-num-seqs", 256) or 256, chunked)
+
+
+def _served(loaded: LoadedRecipe, recipe: Recipe, name: str) -> Any:
+    """What the replay's prediction needs of how the variant serves (lint's reading of its args)."""
+    from toolkit.estimate.replay import COMPLETION_LIMIT_CUT, Served
+    from toolkit.lint.context import LintContext
+
+    context = LintContext(loaded, recipe, name)
+    max_len = context.int_arg("max-model-len")
+    if max_len is None:
+        raise ToolkitError(f"variant {name} gives no --max-model-len: the replay's context refusals depend on it",
+                           hint="set serve.args.max-model-len (the checkpoint's own default is not read here)")
+    return Served(max_len, context.has_flag("enable-prefix-caching"),
+                  any(t.id == COMPLETION_LIMIT_CUT for t in recipe.transforms))
 
 
 def _variant_recipes(loaded: LoadedRecipe, request: EstimateRequest, dropped: list[str] | None = None,
@@ -189,8 +208,9 @@ def estimate(request: EstimateRequest) -> Report:
     """Each chosen variant's predicted decode step, prefill and workload metrics (exit 0), or the calibration fitted
     on the target's records with --calibrate."""
     from toolkit.bench import workloads
-    from toolkit.estimate import calibrate, predict
-    from toolkit.estimate.device import device_of
+    from toolkit.bench.experiment import run_config_env
+    from toolkit.estimate import calibrate, predict, replay
+    from toolkit.estimate.device import all_reduce_of, device_of
 
     if request.workload not in WORKLOADS:
         raise ToolkitError(f"--workload {request.workload}: not one of {', '.join(WORKLOADS)}")
@@ -207,9 +227,24 @@ def estimate(request: EstimateRequest) -> Report:
                            hint="--calibrate DIR --write FILE fits the constants and writes them")
     calibration_file = request.calibration or calibrate.calibration_path(loaded.path, settings.calibration)
     fitted = calibrate.read(calibration_file)
-    if request.requests < 1 or request.max_tokens < 1:
+    if (request.requests is not None and request.requests < 1) or request.max_tokens < 1:
         raise ToolkitError(f"--requests {request.requests} --max-tokens {request.max_tokens}: each is 1 or more")
-    conversations = workloads.build(request.workload, request.requests, request.conversations)
+    recorded: list[workloads.Recorded] = []
+    conversations: list[Any] = []
+    left_out = None
+    if request.workload == "replay":
+        if request.conversations is None:
+            raise ToolkitError("--workload replay needs the replay's shapes file",
+                               hint="--workload replay ../shared/platform-replay/requests.csv")
+        if request.concurrency != (1,):
+            raise ToolkitError(f"--concurrency {','.join(map(str, request.concurrency))} with --workload replay: the "
+                               "platform replays one request at a time", hint="leave --concurrency out")
+        if request.requests is not None:
+            raise ToolkitError("--requests with --workload replay: the platform replays every request of it",
+                               hint="leave --requests out (a shorter file replays fewer)")
+        recorded = workloads.recorded(request.conversations)
+    else:
+        conversations, left_out = workloads.build(request.workload, request.requests, request.conversations)
     max_tokens = request.max_tokens
     dropped: list[str] = []
     not_accepted: list[str] = []
@@ -217,12 +252,12 @@ def estimate(request: EstimateRequest) -> Report:
     rundir = _rundir(request)
     started = time.monotonic()
     counted = count_variants(loaded, found, recipes, request, rundir)
-    device = device_of(recipe.hardware, _tp(loaded, request))
     rows: list[tuple[str, ...]] = []
     data: dict[str, Any] = {}
     factor = fitted.spread
-    for name, (variant_recipe, _) in recipes.items():
+    for name, (variant_recipe, run_config) in recipes.items():
         census = counted[name]
+        device = device_of(recipe.hardware, _tp(loaded, request), all_reduce_of(run_config_env(run_config)))
         cost = predict.StepCost(census, device, fitted.calibration)
         own = predict.regions(cost.ops[("decode", int(cost.decode_points[0][0]))], device, fitted.calibration)
         top = sorted({r for r in own if r.count(".") <= 3}, key=lambda r: -predict.inclusive(own, r))
@@ -230,7 +265,17 @@ def estimate(request: EstimateRequest) -> Report:
         table = {r: {"ms": round(v["seconds"] * 1e3, 4), "launches": v["launches"], "flops": v["flops"],
                      "bytes": v["bytes"]} for r, v in sorted(own.items())}
         runs = []
-        for concurrency in request.concurrency:
+        if recorded:
+            replayed = replay.predict(recorded, _served(loaded, variant_recipe, name),
+                                      _limits(loaded, variant_recipe, name), cost)
+            data[name] = {"replay": replayed.as_json()}
+            m = replayed.metrics
+            slowest = [(b, v["p90_ms"]) for b, v in data[name]["replay"]["ttft_buckets"].items()]
+            rows.append((name, "1", _fmt(m["ttft_p90_ms"] and m["ttft_p90_ms"] / 1e3), _fmt(m["output_tps_e2e_p10"]),
+                         _fmt(m["output_tps_e2e_p50"]), _fmt(m["output_tps_agg"]), _fmt(m["official_replay_score"], 0),
+                         f"{replayed.finished}/{len(recorded)} in {replayed.wall_s:,.0f} s",
+                         " ".join(f"{b} {ms / 1e3:.1f}" for b, ms in slowest)))
+        for concurrency in request.concurrency if not recorded else ():
             clients = predict.requests(conversations, concurrency, max_tokens)
             result = predict.predict(cost, _limits(loaded, variant_recipe, name), clients)
             runs.append(result.as_json(factor))
@@ -240,16 +285,32 @@ def estimate(request: EstimateRequest) -> Report:
                          _fmt(m["official_replay_score"], 0),
                          f"{_fmt(m['output_tps_agg'] / factor)}..{_fmt(m['output_tps_agg'] * factor)}"))
         data[name] = {
-            "range_factor": factor,
+            **data.get(name, {}), "range_factor": factor, "all_reduce": device.all_reduce,
             "decode_step_ms": {str(int(b)): round(s * 1e3, 3) for b, s in cost.decode_points},
             "prefill_step_ms": {str(int(t)): round(s * 1e3, 3) for t, s in cost.prefill_points},
             "decode_breakdown_ms": breakdown, "decode_regions": table, "runs": runs, "census": str(census.folder),
             "census_changes": census.changed, "notes": census.notes}
-    notes = [f"calibration {calibration_file} (fitted on {fitted.fitted_on}); predictions range over a factor "
-             f"{factor:.2f} either way (the fit's largest miss)",
-             f"workload {request.workload}: {len(conversations)} request(s), max_tokens {max_tokens}, prompt lengths "
-             f"from their text at {predict.CHARS_PER_TOKEN:g} characters a token",
+    notes = [f"calibration {calibration_file} (fitted on {fitted.fitted_on}"
+             + (f" with the census of {_with(fitted.fitted_with)}" if fitted.fitted_with else "")
+             + f"); predictions range over a factor {factor:.2f} either way (the fit's largest miss)",
+             (f"workload replay: the {len(recorded)} requests of {request.conversations}, one at a time, inside "
+              f"{replay.BUDGET_S:,.0f} s (the platform's budget); a request not served counts as a failure"
+              if recorded else
+              f"workload {request.workload}: {len(conversations)} request(s), max_tokens {max_tokens}, prompt lengths "
+              f"from their text at {predict.CHARS_PER_TOKEN:g} characters a token"),
              f"counted at the target's widths in {time.monotonic() - started:.0f} s; censuses in {rundir}"]
+    if left_out:
+        notes.append(left_out)
+    if recorded:
+        notes.append("not priced: a step's context. Decodes and prefill chunks cost what they cost at the census's "
+                     "short contexts (a decode at 65 tokens, cold prefills of 16 to 2,048): on the target a decode "
+                     "at 235,000 tokens of context measured 3.7 tok/s against about 22 at short context, so the "
+                     "replay's times are a lower bound and its rates an upper one")
+        for name, entry in data.items():
+            notes += [f"{name}: replay: {said}" for said in entry["replay"]["said"]]
+    if fitted.unidentified:
+        notes.append(f"not identified by the calibration's records (at a bound of its range, used as it is): "
+                     f"{', '.join(fitted.unidentified)}")
     if dropped:
         notes.append(f"{len(dropped)} variant(s) left out, as `toolkit variants` drops them (vLLM would refuse to "
                      "start them): " + ", ".join(dropped))
@@ -257,7 +318,7 @@ def estimate(request: EstimateRequest) -> Report:
     for name, entry in data.items():
         steps = ", ".join(f"{b} seq {ms:.1f} ms" for b, ms in entry["decode_step_ms"].items())
         chunks = ", ".join(f"{t} tok {ms:.0f} ms" for t, ms in entry["prefill_step_ms"].items())
-        notes.append(f"{name}: decode step {steps}; prefill {chunks}")
+        notes.append(f"{name}: decode step {steps}; prefill {chunks}; TP all-reduce {entry['all_reduce']}")
         shown = list(entry["decode_breakdown_ms"].items())[:8]
         parts = ", ".join(f"{r.removeprefix('step.')} {ms:.1f}" for r, ms in shown)
         notes.append(f"{name}: decode step (1 seq) by region, ms: {parts}")
@@ -266,17 +327,27 @@ def estimate(request: EstimateRequest) -> Report:
             notes.append("the census serves the run config's argv with: " + "; ".join(census.changed)
                          + "; the model at its widths with one full-attention interval of layers, dummy weights")
     notes += _ranking(data, request.concurrency, factor)
-    report = Report("estimate", str(loaded.path), notes=tuple(notes),
-                    columns=("variant", "c", "TTFT P90 s", "TPS P10", "TPS P50", "agg TPS", "score",
-                             "agg TPS range"),
+    columns = ("variant", "c", "TTFT P90 s", "TPS P10", "TPS P50", "agg TPS", "score") + (
+        ("finished in budget", "TTFT P90 s by bucket") if recorded else ("agg TPS range",))
+    report = Report("estimate", str(loaded.path), notes=tuple(notes), columns=columns,
                     rows=tuple(rows), extra={"variants": data, "calibration": calibrate.to_json(fitted),
                                                "not_a_submission": not_accepted})
     return dataclasses.replace(report, exit_code=EXIT_OK)
 
 
-def fit_on(counted: Any, device: Any, records: Path) -> Any:
-    """The calibration fitted on `records` with a variant's census (its decode step of one sequence)."""
+def _with(fitted_with: dict[str, str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in fitted_with.items())
+
+
+def fit_on(counted: Any, device: Any, records: Path, timings: Path, fitted_with: dict[str, str]) -> Any:
+    """The calibration fitted on `records` with a variant's census (its decode step of one sequence), its all-reduce
+    implementations and decode against context decided by the target's `timings`."""
     from toolkit.estimate import calibrate
+
+    reduces, decode_context, checks = calibrate.timings(timings, device.ranks)
+    if device.all_reduce not in reduces:
+        raise ToolkitError(f"{timings} times no {device.all_reduce} all-reduce, the one the records' variant ran",
+                           hint="the variant's env selects it (ENABLE_CUSTOM_IPC): time that implementation")
 
     decode = [s for s in counted.steps if s.decodes and not s.prefills]
     if not decode:
@@ -284,13 +355,32 @@ def fit_on(counted: Any, device: Any, records: Path) -> Any:
     one = [s for s in decode if len(s.decodes) == 1] or decode
     # rank 0's fewest launches: a path's first call may do one-off work (as StepCost prices)
     steady = min(one, key=lambda s: sum(op.calls for op in s.ranks[min(s.ranks)]))
-    return calibrate.fit(steady, counted.entries.get(calibrate.BUCKET, {}), device, calibrate.measured(records),
-                         str(records))
+    fitted = calibrate.fit(steady, counted.entries.get(calibrate.BUCKET, {}), device, calibrate.measured(records),
+                           str(records), reduces, decode_context)
+    fitted.fitted_with = {**fitted_with, "all_reduce": device.all_reduce}
+    fitted.checks = checks
+    return fitted
+
+
+def _fitted_with(loaded: LoadedRecipe, found: dict[str, Path], variant: str, run_config: str) -> dict[str, str]:
+    """What a calibration's census served: the variant, each source's pinned commit, the dtype."""
+    import yaml
+
+    from toolkit.bench import experiment
+
+    argv = [str(a) for a in yaml.safe_load(run_config).get("command") or []]
+    pins = {s.name: s.commit for s in load_recipe(loaded.path).recipe.sources}
+    sources = {s.name: s.commit[:12] + ("" if s.commit == pins.get(s.name) else
+                                        f" (--source for the pin {pins.get(s.name, '?')[:12]})")
+               for s in loaded.recipe.sources}
+    return {"variant": variant, **{f"source {k}": v for k, v in sources.items()},
+            "dtype": experiment.flag_value(argv, "--dtype") or "auto"}
 
 
 def _calibrate(loaded: LoadedRecipe, found: dict[str, Path], request: EstimateRequest) -> Report:
+    from toolkit.bench.experiment import run_config_env
     from toolkit.estimate import calibrate
-    from toolkit.estimate.device import device_of
+    from toolkit.estimate.device import all_reduce_of, device_of
 
     records = request.calibrate
     assert records is not None
@@ -300,20 +390,40 @@ def _calibrate(loaded: LoadedRecipe, found: dict[str, Path], request: EstimateRe
     if request.all_variants:
         raise ToolkitError("--calibrate fits on one variant's census: the configuration the records were taken "
                            "with", hint="--variant NAME (default: the base)")
+    if request.timings is None:
+        raise ToolkitError("--calibrate needs the target's timings (--timings FILE): the all-reduce's calls (the "
+                           "records' synchronise swallows its latency) and the decode against its context",
+                           hint="--timings benchmarks/data/target-timings.yaml (TARGET_MEASUREMENTS.md section 4)")
     calibrate.measured(records)  # refused before a census runs
+    calibrate.timings(request.timings, _tp(loaded, request))
     recipes = _variant_recipes(loaded, request)
     rundir = _rundir(request)
     counted = count_variants(loaded, found, recipes, request, rundir)
-    [name] = recipes
-    fitted = fit_on(counted[name], device_of(loaded.recipe.hardware, _tp(loaded, request)), records)
+    [(name, (_, run_config))] = recipes.items()
+    device = device_of(loaded.recipe.hardware, _tp(loaded, request), all_reduce_of(run_config_env(run_config)))
+    fitted = fit_on(counted[name], device, records, request.timings, _fitted_with(loaded, found, name, run_config))
     rows = tuple((region, _fmt(v["measured_ms"], 3), _fmt(v["fitted_ms"], 3),
                   _fmt(v["fitted_ms"] / v["measured_ms"] if v["measured_ms"] else None, 2))
                  for region, v in fitted.regions.items())
     c = fitted.calibration
-    notes = [f"fitted on {records} with the {name} variant's census ({rundir}): launch {c.launch_us:.1f} "
-             f"us, bandwidth fraction {c.bandwidth_fraction:.2f}, all-reduce {c.all_reduce_us:.1f} us, profiler "
-             f"synchronise {fitted.sync_us:.1f} us (left out of predictions), compute fraction "
-             f"{c.compute_fraction:.2f} (a prior); largest miss a factor {fitted.spread:.2f}"]
+    reduces = "; ".join(f"{n} {r.latency_us:.1f} us + ring traffic at {r.gbs:.2f} GB/s"
+                        for n, r in c.all_reduce.items())
+    notes = [f"fitted on {records} with the census of {_with(fitted.fitted_with)} ({rundir}): launch "
+             f"{c.launch_us:.1f} us, bandwidth fraction {c.bandwidth_fraction:.2f}, profiler synchronise "
+             f"{fitted.sync_us:.1f} us (left out of predictions), compute fraction {c.compute_fraction:.2f} (a "
+             f"prior); largest miss a factor {fitted.spread:.2f}",
+             f"all-reduce, decided by {request.timings}'s smallest and largest buffers: {reduces}"]
+    for impl, check in fitted.checks["all_reduce"].items():
+        for elements, v in check["predicted"].items():
+            notes.append(f"  {impl} at {elements} elements: measured {v['measured_ms']:.4f} ms, predicted "
+                         f"{v['predicted_ms']:.4f} ms")
+    context = fitted.checks.get("decode_context")
+    if context:
+        notes.append(f"decode against its context, decided by {context['decided_by']}")
+        notes += [f"  at {c} tokens: measured {v['measured_tok_s']:.3f} tok/s, predicted {v['predicted_tok_s']:.3f}"
+                  for c, v in context["predicted"].items()]
+    if fitted.unidentified:
+        notes.append(f"not identified by the records (at a bound of its range): {', '.join(fitted.unidentified)}")
     if request.write is not None:
         request.write.parent.mkdir(parents=True, exist_ok=True)
         partial = request.write.with_name(request.write.name + ".partial")

@@ -9,9 +9,10 @@ A step's time is its slowest rank's, each operation priced by `device.seconds`. 
 - a step with prefill tokens: the counted single prefills, linear in the step's tokens between the counted lengths
   (and beyond the longest, along its last segment), its decodes counted as prefill tokens (one forward runs them
   all, and the served MoE and GatedDeltaNet paths take their multi-token branch for it).
-Not modelled: attention's growth with the context (at these lengths a few percent of a decode step: the KV reads of
-10 full-attention layers), host work outside the step (the scheduler, the front end, streaming), and the variance of
-routing (each counted step routes its own random tokens).
+A decode's context adds what the target measured of a decode against its context, from the context the census decoded
+at (the calibration's `decode_context`: not counted, and the same for every variant). Not modelled: a prefill
+chunk's depth in its prompt (its prefix attention), host work outside the step (the scheduler, the front end,
+streaming), and the variance of routing (each counted step routes its own random tokens).
 
 Prompt lengths come from the workload's text at CHARS_PER_TOKEN, unless given: a workload's token counts are the
 served tokenizer's, which this machine does not have.
@@ -95,17 +96,32 @@ class StepCost:
         self.ops = {shape: ranks[min(ranks)][1] for shape, ranks in sorted(cheapest.items())}  # rank 0's
         points = {shape: max(priced for priced, _ in ranks.values()) for shape, ranks in sorted(cheapest.items())}
         self.decode_points = [(float(n), t) for (kind, n), t in points.items() if kind == "decode"]
+        # the context the census decoded at: a measured decode's time against its context is added from there
+        contexts = [c for step in counted.steps if step.decodes and not step.prefills for c in step.decodes]
+        self.counted_context = float(min(contexts)) if contexts else 0.0
         self.prefill_points = [(float(n), t) for (kind, n), t in points.items() if kind == "prefill"]
         if not self.decode_points or not self.prefill_points:
             raise ToolkitError(f"the census in {counted.folder} counted no decode step or no single prefill: nothing "
                                "to price a step from", hint="its steps.json and census.log say what ran")
 
     def __call__(self, step: Step) -> float:
+        return self.counted(step) + self.context(step)
+
+    def counted(self, step: Step) -> float:
+        """The step's time from the counted shapes (at the census's short contexts)."""
         if not step.prefills:
             if len(self.decode_points) == 1:  # one counted batch size: a decode reads the same weights for more
                 return self.decode_points[0][1]
             return max(_line(self.decode_points, len(step.decodes)), 0.0)
         return max(_line(self.prefill_points, step.tokens), 0.0)
+
+    def context(self, step: Step) -> float:
+        """What its decodes' contexts add, by the calibration's measured decode against context (nothing without
+        one); a prefill chunk's depth adds nothing (not modelled)."""
+        measured = self.calibration.decode_context
+        if measured is None:
+            return 0.0
+        return sum(measured.extra(c, self.counted_context) for c in step.decodes)
 
 
 def prompt_tokens(text: str) -> int:
