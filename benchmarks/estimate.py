@@ -13,13 +13,21 @@ short prompts' come from their text (toolkit.estimate.predict.CHARS_PER_TOKEN).
 
     python benchmarks/estimate.py [--source qwen36-adapter=CLONE@COMMIT] [-o DIR] [--json]
 
-Without --source the adapter's files at the pin (../shared/qwen36-adapter-5a1c8c7) are committed into a temporary
-repository, as benchmarks/rehearse.py does. Two censuses at TP 4: 1 min 43 s on 2 cores.
+Section 4's steps (one change each: the IPC all-reduce, the head norm, the direct-routed MoE, the packed decode, both
+kernel switches) are predicted from their own censuses (the adapter's kernels at the code's defaults, each step's
+switch on top) on the team's workloads (S3, S8, DS18) at --max-num-seqs 1: each pair's predicted change of
+decode-only Output TPS P10 against the measured one (goal: the measured direction, within 25% of the measured
+change), and the decode against context row against the calibration's decode_context (two of its four figures
+decide it; the other two are predictions).
+
+Without --source the adapter's files at the pin are committed into a temporary repository, as benchmarks/rehearse.py
+does. Six censuses at TP 4: about 14 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -60,6 +68,77 @@ SECTION3 = (
 )
 MEASURED_RATIO = 10.60 / 8.07
 TOOLS_PROMPT, TOOLS_CACHED = 6639, 2208
+
+# section 4: the adapter team's steps, one change each, from their kernels at the code's defaults (every kernel on but
+# the head norm, the direct-routed MoE and the packed decode), on the adapter's own paths, IPC on
+KERNELS = {"BI100_GDN_COREX_CAUSAL_CONV": "1", "BI100_GDN_COREX_GATED_NORM": "1", "BI100_GDN_COREX_BETA_DECAY": "1",
+           "BI100_GDN_COREX_QK_MAP": "1", "BI100_MOE_COREX_EXACT_REDUCE": "1", "BI100_MOE_COREX_WEIGHT_GATHER": "1",
+           "BI100_ATTN_COREX_PAGED_GATHER": "1", "BI100_ATTN_COREX_HEAD_RMS_NORM": "0",
+           "BI100_MOE_COREX_DIRECT_ROUTED": "0", "BI100_GDN_COREX_PACKED_DECODE": "0"}
+STEPS = {  # census name -> the switches on top of KERNELS
+    "head-norm-off": {},
+    "head-norm-on": {"BI100_ATTN_COREX_HEAD_RMS_NORM": "1"},
+    "direct-routed": {"BI100_ATTN_COREX_HEAD_RMS_NORM": "1", "BI100_MOE_COREX_DIRECT_ROUTED": "1"},
+    "packed-decode": {"BI100_ATTN_COREX_HEAD_RMS_NORM": "1", "BI100_MOE_COREX_DIRECT_ROUTED": "1",
+                      "BI100_GDN_COREX_PACKED_DECODE": "1"},
+}
+SECTION4_LIMITS = Limits(max_num_batched_tokens=8192, max_num_seqs=1)
+# (change, workload, census and all-reduce before, after, the measured decode-only Output TPS P10 before and after:
+# the means of the three paired runs)
+SECTION4 = (
+    ("ENABLE_CUSTOM_IPC=1", "S3", ("measured", "nccl"), ("measured", "ixformer-ipc"),
+     (8.096 + 8.034 + 8.655) / 3, (11.707 + 12.117 + 11.653) / 3),
+    ("BI100_ATTN_COREX_HEAD_RMS_NORM=1", "S8", ("head-norm-off", "ixformer-ipc"), ("head-norm-on", "ixformer-ipc"),
+     (15.6769 + 15.7003 + 15.7029) / 3, (15.8218 + 15.7884 + 15.8515) / 3),
+    ("BI100_MOE_COREX_DIRECT_ROUTED=0 -> 1", "S8", ("head-norm-on", "ixformer-ipc"),
+     ("direct-routed", "ixformer-ipc"), (15.1293 + 15.0863 + 15.1491) / 3, (20.0563 + 19.0185 + 20.0312) / 3),
+    ("BI100_GDN_COREX_PACKED_DECODE=0 -> 1", "S8", ("direct-routed", "ixformer-ipc"),
+     ("packed-decode", "ixformer-ipc"), (20.28395 + 20.22108 + 20.34747) / 3, (21.95640 + 21.75182 + 21.93097) / 3),
+    ("both kernel switches off -> on", "DS18", ("head-norm-on", "ixformer-ipc"), ("packed-decode", "ixformer-ipc"),
+     14.8843, 21.6563),
+)
+ITL_IPC = (117.13, 76.29)  # ms, ITL P50 before and after IPC (the means of the three runs)
+CONTEXT_ROW = ((32_768, 10.188), (65_536, 7.024), (131_072, 5.120), (235_000, 3.698))
+
+
+def _section4_clients(workload: str) -> list[list[Request]]:
+    """The team's workloads as section 4 describes them, one client (their runs were serial)."""
+    if workload == "S3":  # three groups of 3 serial requests of a short prompt, max_tokens 128
+        return predict.requests(workloads.short(9), 1, 128)
+    if workload == "S8":  # 8 serial requests of about 1,809 tokens, the first cold, the rest about 87% cached
+        return [[Request(1809, 64, 0 if i == 0 else 1568, f"s8-{i}") for i in range(8)]]
+    requests = []  # DS18: 4,096 / 7,800 / 16,000 tokens, 3 cold/warm pairs each, 64 output tokens
+    for size in (4096, 7800, 16000):
+        for pair in range(3):
+            requests += [Request(size, 64, 0, f"ds18-{size}-{pair}"),
+                         Request(size, 64, size // 16 * 16, f"ds18-{size}-{pair}")]
+    return [requests]
+
+
+def _itl_p50_ms(prediction: predict.Prediction) -> float:
+    gaps = sorted(b - a for r in prediction.timeline.records for a, b in itertools.pairwise(r.content_times))
+    return gaps[len(gaps) // 2] * 1e3
+
+
+def _section4(counted: dict[str, Any], loaded: Any, calibration: Any) -> list[dict[str, Any]]:
+    rows = []
+    for change, workload, before, after, measured_before, measured_after in SECTION4:
+        predicted = []
+        itl = []
+        for census, reduce in (before, after):
+            cost = predict.StepCost(counted[census], device_of(loaded.recipe.hardware, 4, reduce), calibration)
+            prediction = predict.predict(cost, SECTION4_LIMITS, _section4_clients(workload))
+            predicted.append(prediction.metrics["output_tps_decode_p10"])
+            itl.append(_itl_p50_ms(prediction))
+        measured_change = measured_after / measured_before - 1
+        predicted_change = predicted[1] / predicted[0] - 1
+        error = (predicted_change - measured_change) / measured_change
+        rows.append({"change": change, "workload": workload, "measured": [measured_before, measured_after],
+                     "predicted": predicted, "measured_change": measured_change,
+                     "predicted_change": predicted_change, "change_error": error,
+                     "direction": (predicted_change > 0) == (measured_change > 0),
+                     "itl_p50_ms": itl if change == "ENABLE_CUSTOM_IPC=1" else None})
+    return rows
 
 
 
@@ -122,22 +201,32 @@ def main() -> int:
         loaded, found = pinned(load_recipe(RECIPE), request.inputs)
         measured_recipe = find_variant(loaded.recipe, "adapter-paths").apply(loaded.recipe)
         after_recipe = measured_recipe.model_copy(update={"env": {**measured_recipe.env, **AFTER_ENV}})
+        configs = [("measured", measured_recipe), ("two-token-bmm", after_recipe)]
+        configs += [(name, measured_recipe.model_copy(update={"env": {**measured_recipe.env, **KERNELS, **switches}}))
+                    for name, switches in STEPS.items()]
         recipes = {name: (recipe, render(recipe, loaded.path.name, "adapter-paths").run_config)
-                   for name, recipe in (("measured", measured_recipe), ("two-token-bmm", after_recipe))}
+                   for name, recipe in configs}
         rundir = Path(args.output) if args.output else work / "censuses"
         counted = count_variants(loaded, found, recipes, request, rundir)
     device = device_of(loaded.recipe.hardware, 4, all_reduce_of(measured_recipe.env))
     fitted = fit_on(counted["measured"], device, SECTION2, TIMINGS, {"variant": "adapter-paths"})
+    # section 1 ran with NCCL (the vendor's hard-coded default: its rates are those the IPC change started from);
+    # sections 2 and 3 with the custom all-reduce on
+    nccl = device_of(loaded.recipe.hardware, 4, "nccl")
     costs = {name: predict.StepCost(census, device, fitted.calibration) for name, census in counted.items()}
+    section1_cost = predict.StepCost(counted["measured"], nccl, fitted.calibration)
     sections: dict[str, list[dict[str, Any]]] = {"1": [], "3": []}
     for section, table in (("1", SECTION1), ("3", SECTION3)):
         for name, census, concurrency, count, max_tokens, tools, figures in table:
-            prediction = predict.predict(costs[census], LIMITS, _clients(concurrency, count, max_tokens, tools))
+            cost = section1_cost if section == "1" else costs[census]
+            prediction = predict.predict(cost, LIMITS, _clients(concurrency, count, max_tokens, tools))
             sections[section].append(_row(name, census, prediction, figures))
     before, after = (sections["3"][i]["figures"]["output_tps_agg"]["predicted"] for i in (0, 1))
     ratio = after / before
     ratio_error = (ratio - MEASURED_RATIO) / MEASURED_RATIO
     rows = sections["1"] + sections["3"]
+    section4 = _section4(counted, loaded, fitted.calibration)
+    decode = fitted.calibration.decode_context
     result: dict[str, Any] = {
         "calibration": {"launch_us": fitted.calibration.launch_us,
                         "bandwidth_fraction": fitted.calibration.bandwidth_fraction,
@@ -150,6 +239,11 @@ def main() -> int:
                            for name, cost in costs.items()},
         "section1": sections["1"], "section3": sections["3"],
         "moe_change": {"measured_ratio": MEASURED_RATIO, "predicted_ratio": ratio, "error": ratio_error},
+        "section4": section4,
+        "context": [{"context": c, "measured_tok_s": rate,
+                     "predicted_tok_s": 1 / decode.seconds(c) if decode else None,
+                     "decides": str(c) not in fitted.checks.get("decode_context", {}).get("predicted", {})}
+                    for c, rate in CONTEXT_ROW],
         "within_goal": sum(1 for r in rows for f in r["figures"].values()
                            if f["error"] is not None and abs(f["error"]) <= GOAL),
         "figures": sum(1 for r in rows for f in r["figures"].values() if f["error"] is not None),
@@ -189,6 +283,23 @@ def main() -> int:
           + ("within" if abs(ratio_error) <= GOAL else "NOT within") + " its goal")
     for line in result["missing"]:
         print(f"  far off: {line}")
+    print("\nsection 4, one change each (decode-only Output TPS P10, the means of the three paired runs): "
+          "measured before -> after (change) / predicted before -> after (change); the change's error")
+    for row in section4:
+        (mb, ma), (pb, pa) = row["measured"], row["predicted"]
+        verdict = ("ok" if row["direction"] and abs(row["change_error"]) <= GOAL else
+                   "wrong direction" if not row["direction"] else "NOT within 25%")
+        print(f"  {row['change']:38s} {row['workload']:5s} {mb:6.2f} -> {ma:6.2f} ({row['measured_change']:+.1%}) / "
+              f"{pb:6.2f} -> {pa:6.2f} ({row['predicted_change']:+.1%}); {row['change_error']:+.0%} {verdict}")
+        if row["itl_p50_ms"]:
+            print(f"  {'':38s} ITL P50 ms: measured {ITL_IPC[0]:.1f} -> {ITL_IPC[1]:.1f} / predicted "
+                  f"{row['itl_p50_ms'][0]:.1f} -> {row['itl_p50_ms'][1]:.1f}")
+    print("  not expressible as a variant: the router's top-k on the logits (the adapter's own code before 2f7d5f5)")
+    print("\ndecode against context (the calibration's decode_context): measured / predicted tok/s")
+    for row in result["context"]:
+        got = "-" if row["predicted_tok_s"] is None else f"{row['predicted_tok_s']:.3f}"
+        print(f"  {row['context']:>8,}: {row['measured_tok_s']:.3f} / {got}"
+              + ("  (decides the line)" if row["decides"] else "  (a prediction)"))
     return 0
 
 

@@ -28,7 +28,8 @@ def checkpoint(shape):
     text = dict(shape, full_attention_interval=4, max_position_embeddings=4096)
     with open(os.path.join(folder, "config.json"), "w") as handle:
         json.dump({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe",
-                   "torch_dtype": shape["torch_dtype"], "text_config": text}, handle)
+                   "torch_dtype": shape["torch_dtype"], "text_config": text,
+                   "vision_config": runtime_shims.vision_config(text["hidden_size"])}, handle)
     return folder
 
 

@@ -34,7 +34,8 @@ def checkpoint():
     atexit.register(shutil.rmtree, folder, True)  # this script made it; nothing of it outlives the run
     with open(os.path.join(folder, "config.json"), "w") as handle:
         json.dump({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe",
-                   "torch_dtype": "float32", "text_config": CONFIG}, handle)
+                   "torch_dtype": "float32", "text_config": CONFIG,
+                   "vision_config": runtime_shims.vision_config(CONFIG["hidden_size"])}, handle)
     return folder
 
 

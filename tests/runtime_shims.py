@@ -1,6 +1,8 @@
 """Test-side shims the runtime scripts share (run in the CPU runtime, never deployed): vLLM 0.6.3 code that
 assumes a CUDA device, pointed at the CPU, and its distributed state for one process."""
 
+import json
+import os
 import socket
 
 import torch
@@ -62,6 +64,12 @@ SMALL_HYBRID = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_
                 # 64 a quarter rotated is 16 dims, 8 frequencies over time, height and width (tiny_model's rule)
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                     "mrope_section": [3, 3, 2], "mrope_interleaved": True}}
+
+
+def vision_config(hidden_size):
+    """The tiny vision tower the test gives (HARNESS_VISION_CONFIG, tiny_model's), projecting to `hidden_size`; a
+    config without one builds the adapter's default tower, about 400M parameters to seed per model."""
+    return dict(json.loads(os.environ["HARNESS_VISION_CONFIG"]), out_hidden_size=hidden_size)
 
 
 def seeded(model, seed=0, std=0.15):

@@ -19,7 +19,7 @@ import yaml
 from conftest import FLAGSHIP, REPO, flagship_data, roots_of, transformers_site, tree_digest
 
 from toolkit.recipe import load_recipe
-from toolkit.runtime import standins
+from toolkit.runtime import standins, tiny_model
 from toolkit.runtime.env import runtime
 from toolkit.runtime.preflight import emulated_devices
 
@@ -50,7 +50,10 @@ def runtime_env(tmp_path: Path, *paths: Path, cpu_device: bool = False) -> dict[
     return dict(os.environ, **standins.environment(tmp_path / "standins", recipe.base_image.gpu_library_names, paths,
                                                    recipe.base_image.absent_modules, emulated_devices(recipe),
                                                    cpu_device=cpu_device),
-                TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "standins.json"))
+                TOOLKIT_GPU_STANDINS_RECORD=str(tmp_path / "standins.json"),
+                # the harnesses' configs take the tiny tower (runtime_shims.vision_config): the adapter's default
+                # one would be most of each model's start
+                HARNESS_VISION_CONFIG=json.dumps(tiny_model.vision_config("qwen3_5_moe", 0)))
 
 
 def run_on_patched_tree(cli: Any, python: Path, rootfs: Path, flagship_args: list[str], script: str,

@@ -292,7 +292,13 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": V
 
 
 def _vision_config(spec: dict[str, Any]) -> dict[str, Any]:
-    return {"model_type": spec["model_type"], **VISION, "out_hidden_size": spec["hidden_size"]}
+    return vision_config(spec["model_type"], spec["hidden_size"])
+
+
+def vision_config(model_type: str, out_hidden_size: int) -> dict[str, Any]:
+    """The tiny vision tower's config.json entry: without one the adapter builds its default tower (27 blocks of
+    width 1152, about 400M parameters), which dominates a tiny model's start."""
+    return {"model_type": model_type, **VISION, "out_hidden_size": out_hidden_size}
 
 
 def vision_tensors(spec: dict[str, Any]) -> dict[str, tuple[int, ...]]:
