@@ -102,7 +102,8 @@ def _census_processes() -> list[int]:
 
 
 def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tuple[Any, Path, Inputs, Path],
-                                                                     tmp_path: Path) -> None:
+                                                                     tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     report, recipe, inputs, config = switched
     records = Path(report.extra["variants"]["moe-adapter"]["census"]) / "profile"
     written = tmp_path / "fitted.yaml"
@@ -126,15 +127,20 @@ def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tu
     shapes.write_text("index,request_id,prompt_tokens,output_tokens,finish_reason,completion_limit,failed_on_694\n"
                       "0,a,300,6,stop,,\n1,b,500,4,tool_calls,,\n2,c,,,,,\n3,d,270000,4,stop,4096,\n",
                       encoding="utf-8")
-    again = estimate(EstimateRequest(recipe, inputs, variant="moe-adapter", tp=2, calibration=written,
+    capsys.readouterr()
+    again = estimate(EstimateRequest(recipe, inputs, all_variants=True, tp=2, calibration=written,
                                      workload="replay", conversations=shapes, model_config=config,
                                      output=tmp_path / "again"))
+    # the same code paths on the same tree: both censuses are the fixture's, read back from the cache
+    assert capsys.readouterr().err.count("the census of this code path is cached") == 2
+    assert any(note.startswith("ranking at c=1 by predicted score") for note in again.notes)
     assert again.extra["calibration"]["launch_us"] == pytest.approx(calibration["launch_us"])
     replayed = again.extra["variants"]["moe-adapter"]["replay"]
     assert (replayed["requests"], replayed["finished"], replayed["refused"]) == (4, 3, 1)
     assert replayed["success_rate"] == pytest.approx(3 / 4)
     assert any("1 of 4 prompt lengths are not in the file" in said for said in replayed["said"])
-    assert "finished in budget" in again.columns and again.rows[0][7] == "3/4 in " + f"{replayed['wall_s']:,.0f} s"
+    [row] = [row for row in again.rows if row[0] == "moe-adapter"]
+    assert "finished in budget" in again.columns and row[7] == "3/4 in " + f"{replayed['wall_s']:,.0f} s"
     with pytest.raises(ToolkitError, match="the platform replays one request at a time"):
         estimate(EstimateRequest(recipe, inputs, workload="replay", conversations=shapes, concurrency=(1, 2)))
     with pytest.raises(ToolkitError, match="exists; nothing was fitted"):
@@ -181,7 +187,8 @@ def _census_running(recipe: Path, config: Path, adapter_args: list[str], out: Pa
                     **popen: Any) -> subprocess.Popen[str]:
     """`toolkit estimate` at TP 2 started as a user would, returned once its census has counted a first shape."""
     process = subprocess.Popen([sys.executable, "-m", "toolkit", "estimate", str(recipe), *adapter_args,
-                                "--model-config", str(config), "--tp", "2", "-o", str(out)], text=True, **popen)
+                                "--model-config", str(config), "--tp", "2", "-o", str(out), "--recount"], text=True,
+                               **popen)
     log = out / "base" / "census.log"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and "[census]" not in (log.read_text() if log.is_file() else ""):

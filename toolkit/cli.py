@@ -209,7 +209,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         Path(args.recipe), _inputs(args), args.variant, args.all_variants, kind, _path(rest[0] if rest else None),
         _concurrency(args.concurrency), args.requests, args.max_tokens, _path(args.model_config),
         _path(args.calibration), _path(args.output), _path(args.rootfs), _path(args.calibrate),
-        _path(args.write), _path(args.timings), args.tp)), args)
+        _path(args.write), _path(args.timings), args.tp, args.recount)), args)
 
 
 def _load(args: argparse.Namespace) -> bench_cmd.Load:
@@ -467,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(benchmarks/data/target-timings.yaml): each all-reduce implementation's calls at several buffer "
                    "sizes, the decode rate against the context; the figures it names decide the constants, the "
                    "others are predicted")
+    p.add_argument("--recount", action="store_true", help="count every code path again: a census is otherwise read "
+                   "back from the toolkit's cache when the patched tree, the toolkit, the variant's code path and the "
+                   "census's settings are those it was counted with")
     p.add_argument("--tp", type=int, metavar="N", help="the census's ranks (default: the recipe's own TP, at which "
                    "the target runs; each rank is a process on this CPU)")
     p.add_argument("-o", "--output", metavar="DIR", help="where the censuses' logs and records go (a new or empty "

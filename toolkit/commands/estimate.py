@@ -43,6 +43,7 @@ class EstimateRequest:
     write: Path | None = None  # with calibrate: the calibration file to write (a new path)
     timings: Path | None = None  # with calibrate: the target's all-reduce calls and decode against context
     tp: int | None = None  # the census's ranks (default: the recipe's own tensor-parallel size)
+    recount: bool = False  # count every code path again, neither reading nor writing the census cache
 
 
 def _tp(loaded: LoadedRecipe, request: EstimateRequest) -> int:
@@ -87,9 +88,11 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
     """Each variant's census (`toolkit.estimate.count`), one per distinct code path, on one patched tree."""
     from toolkit.bench.experiment import run_config_env
     from toolkit.bench.serve import stray_processes
-    from toolkit.estimate.count import Plan, count
+    from toolkit.estimate.count import Plan, count, count_cached
+    from toolkit.pyenv import build_key
     from toolkit.rehearsal import Rehearsal
     from toolkit.rehearsal.servers import Stage, server_environment
+    from toolkit.runtime import census as census_module
     from toolkit.runtime import preflight as runtime_preflight
     from toolkit.runtime import tiny_model
     from toolkit.runtime.env import runtime
@@ -122,6 +125,11 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
         else:
             tree = runtime_preflight.patched_copy(loaded, found, work, image=image)
         device_only = frozenset(v for library in loaded.recipe.base_image.gpu_libraries for v in library.reads_env)
+        # a census's records depend on the patched tree's bytes and on the toolkit's own code (the census, the
+        # stand-ins, the references): either changed counts again
+        tree_digest = runtime_preflight.tree_digest(tree.paths)
+        toolkit_files = sorted(p for p in Path(census_module.__file__).parents[1].rglob("*.py")
+                               if "__pycache__" not in p.parts)
         for name, (variant_recipe, run_config) in recipes.items():
             key = _census_key(run_config, device_only)
             if key in by_key:
@@ -136,8 +144,15 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
             full_env, _ = server_environment(stage, {**env, **resolved}, folder / "standins" / "standins.json", {},
                                              "census")
             (folder / "standins").mkdir(parents=True, exist_ok=True)
-            by_key[key] = counted[name] = count(run_config, full_env, python, wide, tp, folder, layers, census_layers,
-                                                settings.layer_region, Plan(), _say)
+            plan = Plan()
+            if request.recount:
+                by_key[key] = counted[name] = count(run_config, full_env, python, wide, tp, folder, layers,
+                                                    census_layers, settings.layer_region, plan, _say)
+            else:
+                cached = build_key(json.dumps([key, tree_digest, config, dataclasses.asdict(plan), tp, resolved,
+                                               str(python)], sort_keys=True), files=toolkit_files)
+                by_key[key] = counted[name] = count_cached(cached, run_config, full_env, python, wide, tp, layers,
+                                                           census_layers, settings.layer_region, plan, _say)
             counted[name].changed += [f"env {k} {env.get(k, '(not given)')} -> {v} (estimate.timed_switches: the "
                                       "target's choice, not this CPU's timing)" for k, v in resolved.items()]
     return counted
@@ -269,6 +284,7 @@ def estimate(request: EstimateRequest) -> Report:
             replayed = replay.predict(recorded, _served(loaded, variant_recipe, name),
                                       _limits(loaded, variant_recipe, name), cost)
             data[name] = {"replay": replayed.as_json()}
+            runs.append(data[name]["replay"])  # what the ranking reads
             m = replayed.metrics
             slowest = [(b, v["p90_ms"]) for b, v in data[name]["replay"]["ttft_buckets"].items()]
             rows.append((name, "1", _fmt(m["ttft_p90_ms"] and m["ttft_p90_ms"] / 1e3), _fmt(m["output_tps_e2e_p10"]),

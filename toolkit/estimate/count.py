@@ -181,6 +181,27 @@ def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: i
     return counted
 
 
+def count_cached(key: str, run_config: str, env: dict[str, str], python: Path, model: Path, tp: int, layers: int,
+                 census_layers: int, layer_region: str, plan: Plan, say: Say) -> Counted:
+    """`count`, remembered under `key` (everything the census's records depend on: the caller's to say) in the
+    toolkit's cache: a census of the same code path on the same tree is read back instead of run again. A census
+    that fails leaves nothing cached."""
+    from toolkit.inputs import cache_dir, cached_tree
+
+    target = cache_dir() / "census" / key
+    ran: list[Counted] = []
+
+    def build(tree: Path, scratch: Path) -> None:
+        ran.append(count(run_config, env, python, model, tp, tree, layers, census_layers, layer_region, plan, say))
+
+    cached_tree(target, build)
+    counted = read(target, tp, layers, census_layers, layer_region)
+    counted.changed = census_argv(run_config, python, model, tp, plan)[1]
+    if not ran:
+        say(f"estimate: the census of this code path is cached ({target})")
+    return counted
+
+
 def _watch(process: subprocess.Popen[bytes], records: Path, labels: Path) -> tuple[int | None, list[dict[str, Any]]]:
     """Wait for the census: its exit code, or None with the failures a rank wrote (the other ranks would wait on it
     in a collective for gloo's 30 minutes), or None and none past CENSUS_TIMEOUT_S. Once every step ran (the steps'

@@ -506,7 +506,7 @@ def report(loaded: LoadedRecipe, outcomes: list[Outcome], where: str) -> Report:
                   extra={"variants": [o.as_json() for o in outcomes]})
 
 
-def _digest(roots: list[Path]) -> str:
+def tree_digest(roots: list[Path]) -> str:
     """The files under each root by path and bytes; not its bytecode, nor the toolkit's state record (which says
     how the root came to be patched, and the vendor's code never reads)."""
     digest = hashlib.sha256()
@@ -528,7 +528,7 @@ def _key(loaded: LoadedRecipe, variants: list[Variant], python: Path, model_dir:
     recipe.pop("patches", None)
     patches = sorted((p.relative_to(loaded.patches_dir).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
                      for p in loaded.patches_dir.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    model = _digest([model_dir]) if model_dir is not None else None
+    model = tree_digest([model_dir]) if model_dir is not None else None
     raw = json.dumps([recipe, patches, [v.name for v in variants], trees, model, str(python)], sort_keys=True)
     # the toolkit's own sources decide the patched tree, the stand-ins and the stages: any change runs it again
     toolkit_files = sorted(p for p in Path(standins.__file__).parents[1].rglob("*.py") if "__pycache__" not in p.parts)
@@ -562,7 +562,7 @@ def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, 
         tree = given_tree(loaded, rootfs, given or {}, work) if applied else \
             patched_copy(loaded, pinned, work, rootfs, given)
         target = cache_dir() / "preflight" / (_key(loaded, variants, python, model_dir, [
-            sorted(tree.untried.items()), _digest(tree.paths)]) + ".json")
+            sorted(tree.untried.items()), tree_digest(tree.paths)]) + ".json")
         remembered = _remembered(target)
     if remembered is not None:
         return remembered, tree, True
