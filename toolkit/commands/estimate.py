@@ -86,11 +86,14 @@ def _census_key(run_config: str, device_only: frozenset[str]) -> str:
 def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[str, tuple[Recipe, str]],
                    request: EstimateRequest, rundir: Path) -> dict[str, Any]:
     """Each variant's census (`toolkit.estimate.count`), one per distinct code path, on one patched tree."""
+    from toolkit.bench import experiment as experiment_module
     from toolkit.bench.experiment import run_config_env
     from toolkit.bench.serve import stray_processes
+    from toolkit.estimate import count as count_module
     from toolkit.estimate.count import Plan, count, count_cached
     from toolkit.pyenv import build_key
     from toolkit.rehearsal import Rehearsal
+    from toolkit.rehearsal import servers as servers_module
     from toolkit.rehearsal.servers import Stage, server_environment
     from toolkit.runtime import census as census_module
     from toolkit.runtime import preflight as runtime_preflight
@@ -125,11 +128,14 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
         else:
             tree = runtime_preflight.patched_copy(loaded, found, work, image=image)
         device_only = frozenset(v for library in loaded.recipe.base_image.gpu_libraries for v in library.reads_env)
-        # a census's records depend on the patched tree's bytes and on the toolkit's own code (the census, the
-        # stand-ins, the references): either changed counts again
+        # a census's records depend on the patched tree's bytes and on the toolkit code that runs or starts it (the
+        # runtime's census, stand-ins, references and shims; the census's plan; the server's argv and env): either
+        # changed counts again. Pricing and simulating them (estimate/predict, schedule, device) do not.
         tree_digest = runtime_preflight.tree_digest(tree.paths)
-        toolkit_files = sorted(p for p in Path(census_module.__file__).parents[1].rglob("*.py")
-                               if "__pycache__" not in p.parts)
+        runtime_dir = Path(census_module.__file__).parent
+        toolkit_files = sorted([*(p for p in runtime_dir.rglob("*.py") if "__pycache__" not in p.parts),
+                                Path(count_module.__file__), Path(servers_module.__file__),
+                                Path(experiment_module.__file__)])
         for name, (variant_recipe, run_config) in recipes.items():
             key = _census_key(run_config, device_only)
             if key in by_key:
@@ -151,8 +157,8 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
             else:
                 cached = build_key(json.dumps([key, tree_digest, config, dataclasses.asdict(plan), tp, resolved,
                                                str(python)], sort_keys=True), files=toolkit_files)
-                by_key[key] = counted[name] = count_cached(cached, run_config, full_env, python, wide, tp, layers,
-                                                           census_layers, settings.layer_region, plan, _say)
+                by_key[key] = counted[name] = count_cached(cached, run_config, full_env, python, wide, tp, folder,
+                                                           layers, census_layers, settings.layer_region, plan, _say)
             counted[name].changed += [f"env {k} {env.get(k, '(not given)')} -> {v} (estimate.timed_switches: the "
                                       "target's choice, not this CPU's timing)" for k, v in resolved.items()]
     return counted

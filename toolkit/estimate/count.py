@@ -181,24 +181,27 @@ def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: i
     return counted
 
 
-def count_cached(key: str, run_config: str, env: dict[str, str], python: Path, model: Path, tp: int, layers: int,
-                 census_layers: int, layer_region: str, plan: Plan, say: Say) -> Counted:
-    """`count`, remembered under `key` (everything the census's records depend on: the caller's to say) in the
-    toolkit's cache: a census of the same code path on the same tree is read back instead of run again. A census
-    that fails leaves nothing cached."""
-    from toolkit.inputs import cache_dir, cached_tree
+def count_cached(key: str, run_config: str, env: dict[str, str], python: Path, model: Path, tp: int, folder: Path,
+                 layers: int, census_layers: int, layer_region: str, plan: Plan, say: Say) -> Counted:
+    """`count` into `folder`, remembered under `key` (everything the census's records depend on: the caller's to
+    say) in the toolkit's cache: a census of the same code path on the same tree is read back from there instead
+    of run again. A census that fails leaves nothing cached (its logs stay in `folder`)."""
+    import shutil
+
+    from toolkit.inputs import COMPLETE, cache_dir, cached_tree
 
     target = cache_dir() / "census" / key
-    ran: list[Counted] = []
-
-    def build(tree: Path, scratch: Path) -> None:
-        ran.append(count(run_config, env, python, model, tp, tree, layers, census_layers, layer_region, plan, say))
-
-    cached_tree(target, build)
-    counted = read(target, tp, layers, census_layers, layer_region)
-    counted.changed = census_argv(run_config, python, model, tp, plan)[1]
-    if not ran:
+    if (target / COMPLETE).is_file():
+        counted = read(target, tp, layers, census_layers, layer_region)
+        counted.changed = census_argv(run_config, python, model, tp, plan)[1]
         say(f"estimate: the census of this code path is cached ({target})")
+        return counted
+    counted = count(run_config, env, python, model, tp, folder, layers, census_layers, layer_region, plan, say)
+
+    def keep(tree: Path, scratch: Path) -> None:
+        shutil.copytree(folder, tree, symlinks=True)
+
+    cached_tree(target, keep)
     return counted
 
 

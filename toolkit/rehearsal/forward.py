@@ -235,14 +235,17 @@ def _upstream(folder: Path) -> Any:
 
     class Upstream:
         def __init__(self) -> None:
-            self.ids: list[int] = []
+            self.past: Any = None
 
         def reset(self) -> None:
-            self.ids = []
+            self.past = None
 
         def forward(self, ids: list[int], start: int) -> Any:
-            self.ids = self.ids + ids  # each step recomputes the whole sequence: small models, few tokens
-            return model(torch.tensor([self.ids])).logits[0, -len(ids):]
+            # transformers' own KV cache carries the sequence: recomputing it whole each token costs the prompt's
+            # forward once per answer token (a minute of a second model's rehearsal)
+            out = model(torch.tensor([ids]), past_key_values=self.past, use_cache=True)
+            self.past = out.past_key_values
+            return out.logits[0]
 
     return Upstream()
 
