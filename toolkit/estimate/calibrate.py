@@ -88,15 +88,19 @@ class Fitted:
                 "# the target\n" + yaml.safe_dump(to_json(self), sort_keys=False))
 
 
-def read(path: Path) -> Fitted:
+def _yaml(path: Path, what: str, absent: str) -> Any:
+    """A YAML file's data, or a ToolkitError naming `what` it is and, when it is missing, where one comes from."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ToolkitError(f"calibration file {path} does not exist",
-                           hint="`toolkit estimate RECIPE --calibrate DIR` writes one from the target's profile "
-                           "records; estimate.calibration names it, relative to the recipe") from None
+        raise ToolkitError(f"{what} {path} does not exist", hint=absent) from None
     except yaml.YAMLError as exc:
-        raise ToolkitError(f"calibration file {path} is not YAML: {exc}") from None
+        raise ToolkitError(f"{what} {path} is not YAML: {exc}") from None
+
+
+def read(path: Path) -> Fitted:
+    data = _yaml(path, "calibration file", "`toolkit estimate RECIPE --calibrate DIR --timings FILE` writes one from "
+                 "the target's records; estimate.calibration names it, relative to the recipe")
     keys = ("launch_us", "bandwidth_fraction", "compute_fraction")
     missing = [k for k in (*keys, "sync_us", "all_reduce") if not isinstance(data, dict) or k not in data]
     if missing:
@@ -132,14 +136,8 @@ def timings(path: Path, ranks: int) -> tuple[dict[str, AllReduce], DecodeContext
     """The all-reduce per implementation and the decode against its context, decided by the target's timings in
     `path` (see the module), and the checks of what they predict: {"all_reduce": {IMPLEMENTATION: ...},
     "decode_context": ...}. `ranks` must be the ranks they were timed at (a ring's traffic depends on it)."""
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ToolkitError(f"timings file {path} does not exist",
-                           hint="benchmarks/data/target-timings.yaml holds the target's (TARGET_MEASUREMENTS.md "
-                           "section 4)") from None
-    except yaml.YAMLError as exc:
-        raise ToolkitError(f"timings file {path} is not YAML: {exc}") from None
+    data = _yaml(path, "timings file", "benchmarks/data/target-timings.yaml holds the target's "
+                 "(TARGET_MEASUREMENTS.md section 4)")
     try:
         timed_ranks, element = int(data["ranks"]), int(data["element_bytes"])
         measured = {str(name): {int(n): float(ms) for n, ms in calls.items()}
