@@ -384,7 +384,7 @@ def fit_on(counted: Any, device: Any, records: Path, timings: Path, fitted_with:
     return fitted
 
 
-def _fitted_with(loaded: LoadedRecipe, found: dict[str, Path], variant: str, run_config: str) -> dict[str, str]:
+def _fitted_with(loaded: LoadedRecipe, variant: str, run_config: str) -> dict[str, str]:
     """What a calibration's census served: the variant, each source's pinned commit, the dtype."""
     import yaml
 
@@ -423,7 +423,7 @@ def _calibrate(loaded: LoadedRecipe, found: dict[str, Path], request: EstimateRe
     counted = count_variants(loaded, found, recipes, request, rundir)
     [(name, (_, run_config))] = recipes.items()
     device = device_of(loaded.recipe.hardware, _tp(loaded, request), all_reduce_of(run_config_env(run_config)))
-    fitted = fit_on(counted[name], device, records, request.timings, _fitted_with(loaded, found, name, run_config))
+    fitted = fit_on(counted[name], device, records, request.timings, _fitted_with(loaded, name, run_config))
     rows = tuple((region, _fmt(v["measured_ms"], 3), _fmt(v["fitted_ms"], 3),
                   _fmt(v["fitted_ms"] / v["measured_ms"] if v["measured_ms"] else None, 2))
                  for region, v in fitted.regions.items())
