@@ -27,12 +27,12 @@ from typing import Any
 
 from toolkit.bench.metrics import BUCKETS, RequestRecord, summarize
 from toolkit.bench.workloads import Recorded
+from toolkit.estimate.predict import BLOCK_TOKENS
 from toolkit.estimate.schedule import Limits, Request, Step, simulate
 
 BUDGET_S = 46_800.0  # the platform's replay budget (../shared/platform-replay/README.md)
 THREAD_WINDOW = 3  # the threads' median number of requests
 LOGGED_HIT_RATE = 10_076_176 / 17_374_285  # prompt tokens served from the cache over submission 694's successes
-BLOCK_TOKENS = 16
 COMPLETION_LIMIT_CUT = "openai-completion-limit-fits"  # layers/corex-3.2.3.yaml's transform
 
 
@@ -56,7 +56,6 @@ class ReplayPrediction:
     refused: int
     cut: int
     wall_s: float
-    hit_rate: float
     said: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -69,7 +68,7 @@ class ReplayPrediction:
         return {**{k: self.metrics.get(k) for k in keys}, "ttft_buckets": buckets, "dispatched": self.dispatched,
                 "finished": self.finished,
                 "refused": self.refused, "cut_by_budget": self.cut, "wall_s": self.wall_s,
-                "modelled_hit_rate": self.hit_rate, "logged_hit_rate": LOGGED_HIT_RATE, "said": self.said}
+                "logged_hit_rate": LOGGED_HIT_RATE, "said": self.said}
 
 
 def filled(rows: Sequence[Recorded]) -> tuple[list[tuple[int, int, int | None]], list[str]]:
@@ -150,8 +149,7 @@ def predict(rows: Sequence[Recorded], served: Served, limits: Limits, cost: Call
     ordered = [records[row.index] for row in rows]
     wall = min(timeline.wall_s, budget_s)
     metrics = summarize(ordered, wall)
-    served_prompt = sum(r.prompt_tokens for r in ordered if r.ok)
-    hit_rate = sum(r.cached_tokens for r in ordered if r.ok) / served_prompt if served_prompt else 0.0
+    hit_rate = metrics["cache_hit_rate"] or 0.0  # over the requests served, as the platform counts it
     said.append(f"prefix cache: each request hits the longest shorter prompt among the {THREAD_WINDOW} before it "
                 f"(the threads' median length): {hit_rate:.1%} of the served prompt tokens, against "
                 f"{LOGGED_HIT_RATE:.1%} logged (submission 694)" if served.prefix_caching else
@@ -160,4 +158,4 @@ def predict(rows: Sequence[Recorded], served: Served, limits: Limits, cost: Call
         said.append(f"{refused} request(s) refused for the context ({served.max_model_len:,} tokens"
                     + (", a completion limit cut to the room left" if served.cuts_completion_limit else
                        ", a completion limit that does not fit refused as vLLM 0.6.3 does") + ")")
-    return ReplayPrediction(metrics, ordered, dispatched + refused, finished, refused, cut, wall, hit_rate, said)
+    return ReplayPrediction(metrics, ordered, dispatched + refused, finished, refused, cut, wall, said)
