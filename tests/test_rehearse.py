@@ -39,7 +39,7 @@ from toolkit.submission.render import render
 
 TEMPLATE = "/opt/toolkit/chat_templates/qwen36_multi_system.jinja"
 # beside the start's profile (since 2f7d5f5 a 1536-token prefill with one max-size image: about 1.07 GB emulated),
-# legacy40's KV cache holds 487 blocks at TP 1 (every layer counted), under the 768 of 12288 tokens, while the
+# legacy40's KV cache holds 487 blocks at TP 1 (every layer counted), under the 512 of 8192 tokens, while the
 # flagship's accounting (10 layers) holds 1949 (measured)
 MEMORY_GB = 1.26
 LEADING_SYSTEM_ONLY = (
@@ -212,8 +212,8 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
                            "tool-thread", "several-images", "image-chunks", "still-serving"}
     # the replay's shapes: a limit beyond the context answered with the room left, an echoed tool-call index
     # accepted, and the server still answering after every other check's requests
-    assert re.search(r"^a 122\d\d-token prompt with max_tokens, then max_completion_tokens 4096 at the rehearsed "
-                     r"12288-token context answered its \d+ tokens of room, ending 'length'",
+    assert re.search(r"^a 81\d\d-token prompt with max_tokens, then max_completion_tokens 4096 at the rehearsed "
+                     r"8192-token context answered its \d+ tokens of room, ending 'length'",
                      checks["completion-limit"]["detail"]), checks["completion-limit"]
     assert checks["still-serving"]["ok"] and checks["tool-call-index"]["ok"] and checks["several-images"]["ok"]
     assert re.search(r"^three turns with 29 tool schemas, tool calls and results answered; prompt tokens \d+ \(0 "
@@ -596,9 +596,9 @@ def test_the_replays_refused_shapes_fail_their_checks_on_a_tree_without_their_tr
     limit = checks["completion-limit"]
     # vLLM 0.6.3 refuses max_tokens with the platform's message, and runs max_completion_tokens one token past the
     # context
-    assert not limit["ok"] and "with max_tokens 4096 at a 12288-token context was answered HTTP 400: This model's " \
-        "maximum context length is 12288 tokens. However, you requested " in limit["detail"], limit
-    assert re.search(r"with max_completion_tokens 4096 at a 12288-token context answered (\d+) tokens ending "
+    assert not limit["ok"] and "with max_tokens 4096 at a 8192-token context was answered HTTP 400: This model's " \
+        "maximum context length is 8192 tokens. However, you requested " in limit["detail"], limit
+    assert re.search(r"with max_completion_tokens 4096 at a 8192-token context answered (\d+) tokens ending "
                      r"'length', not the \d+ left", limit["detail"]), limit
     index = checks["tool-call-index"]
     assert not index["ok"] and index["detail"].startswith("HTTP 400: ") and "Extra inputs are not permitted" in \
@@ -754,8 +754,23 @@ def test_the_oracles_fail_on_a_different_token_step_over_a_near_tie_and_refuse_t
     nexts[2] = _answer("a+2", [8])
     prefill = answers.against_prefill(answer, nexts, 1e-3)
     assert prefill.differ == ["a: decoded token 2 is 3, a prefill of the 2 before it gives 8"] and prefill.compared == 2
-    assert [p.ids for p in answers.prefill_prompts(answer)] == [(1, 2, 3), (1, 2, 3, 1), (1, 2, 3, 1, 2),
-                                                                (1, 2, 3, 1, 2, 3)]
+    # one prefill of the prompt and the whole answer: its prompt logprobs at answer token k are what a prefill of
+    # the prompt and the k tokens before it computes (the top ranked; vLLM puts None at the first prompt token)
+    assert answers.prefill_prompt(answer).ids == (1, 2, 3, 1, 2, 3, 4)
+    ranked = [None, *[{"5": {"logprob": -0.1, "rank": 1}} for _ in range(2)],
+              *[{str(best): {"logprob": -0.2, "rank": 1}, str(other): {"logprob": -0.3, "rank": 2}}
+                for best, other in [(9, 1), (2, 4), (8, 3), (4, 7)]]]
+    nexts = answers.prefill_nexts(answer, {"choices": [{"prompt_logprobs": ranked}]})
+    assert [(n.ids, n.top) for n in nexts] == [((9,), ({9: -0.2, 1: -0.3},)), ((2,), ({2: -0.2, 4: -0.3},)),
+                                               ((8,), ({8: -0.2, 3: -0.3},)), ((4,), ({4: -0.2, 7: -0.3},))]
+    prefill = answers.against_prefill(answer, nexts, 1e-3)
+    assert prefill.differ == ["a: decoded token 2 is 3, a prefill of the 2 before it gives 8"] and prefill.compared == 2
+    # a response that stops short names the token it has no logprobs for; a failed request is each token's error
+    short = answers.prefill_nexts(answer, {"choices": [{"prompt_logprobs": ranked[:5]}]})
+    assert [n.error is None for n in short] == [True, True, False, False]
+    assert short[2].error.startswith("no prompt logprobs at token 5 of 5"), short[2].error
+    failed = answers.prefill_nexts(answer, answers.Answer(answer.prompt, error="HTTP 500: boom"))
+    assert [n.error for n in failed] == ["HTTP 500: boom"] * 4
 
 
 def test_the_answers_verdict_reads_every_reference_and_names_the_one_that_differs() -> None:

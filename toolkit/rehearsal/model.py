@@ -6,8 +6,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# the tiny model's length: an agent's request (29 tool schemas) is about 7,000 of its tokens
-MAX_MODEL_LEN = 12288
+# the tiny model's length: the tool-thread check's third turn (29 tool schemas in the flagship's template) is about
+# 7,200 of its tokens; the completion-limit check prefills a prompt this long, whose prefix attention grows with its
+# square (measured on the second model's served server alone: 12,288 tokens took 61 s, 8,192 took 37 s)
+MAX_MODEL_LEN = 8192
 # below the rehearsal's prompt lengths, so a prefill is chunked and runs beside decodes, as on the platform
 BATCH_TOKENS = 256
 # a multimodal model's start profiles one max-size image in one sequence (the adapter since 2f7d5f5: 1,282 tokens of

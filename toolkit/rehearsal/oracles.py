@@ -11,9 +11,11 @@ prompts are the served chat template's renderings, as the server's own `/tokeniz
   computed outside vLLM by code written from the model's math, which shares nothing with the served path: a fast
   path (the toolkit's or the adapter's) that is wrong everywhere, in prefill and decode and at every TP, is wrong on
   one side only here.
-- **Prefill** (`against_prefill`): every decoded token equals the next token of a fresh prefill of the prompt and
-  the tokens before it (`max_tokens` 1, prefix cache off). The decode path (paged attention over the block table,
-  the recurrent state carried step by step) against the prefill path (the chunked prompt pass).
+- **Prefill** (`against_prefill`): every decoded token equals the next token a prefill of the prompt and the
+  tokens before it computes. One prefill of the prompt and the whole answer gives them all: its prompt logprobs
+  (vLLM's `prompt_logprobs`, prefix cache off) at each answer token are what a prefill ending there computes, since
+  a prompt pass is causal. The decode path (paged attention over the block table, the recurrent state carried step
+  by step) against the prefill path (the chunked prompt pass).
 
 Both servers compute in float32 (in bf16 how a step is batched changes its rounding); two answers that part where
 both sides had the two tokens within `tie_nats` of each other took the two sides of a near-tie, which is reported,
@@ -129,10 +131,62 @@ def answers(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int, to
     return asyncio.run(run())
 
 
-def prefill_prompts(answer: Answer) -> list[Prompt]:
-    """For each token of `answer`: its prompt and the tokens before it, whose one next token a prefill computes."""
-    return [Prompt(f"{answer.prompt.name} + {k} token(s)", answer.prompt.ids + answer.ids[:k])
-            for k in range(len(answer.ids))]
+def prefill_prompt(answer: Answer) -> Prompt:
+    """`answer`'s prompt and every token of it: one prefill whose prompt logprobs at each answer token are the next
+    token a prefill of what came before that token computes."""
+    return Prompt(f"{answer.prompt.name} and its {len(answer.ids)} token(s)", answer.prompt.ids + answer.ids)
+
+
+def prefill_nexts(answer: Answer, prefilled: Answer | dict[str, Any]) -> list[Answer]:
+    """Per token k of `answer`, the next token a prefill of its prompt and its first k tokens computes (the top
+    ranked of the prompt logprobs at that token, with the top alternatives), read from the `/v1/completions`
+    response to `prefill_prompt(answer)` asked with `prompt_logprobs`; `prefilled` an Answer carrying the request's
+    error where it failed."""
+    names = [f"{answer.prompt.name} + {k} token(s)" for k in range(len(answer.ids))]
+    if isinstance(prefilled, Answer):
+        return [Answer(Prompt(n, ()), error=prefilled.error) for n in names]
+    entries = ((prefilled.get("choices") or [{}])[0].get("prompt_logprobs")) or []
+    start = len(answer.prompt.ids)
+    nexts = []
+    for k, name in enumerate(names):
+        entry = entries[start + k] if start + k < len(entries) else None
+        if not entry:
+            nexts.append(Answer(Prompt(name, ()), error=f"no prompt logprobs at token {start + k} of "
+                                                        f"{len(entries)}: {str(prefilled)[:200]}"))
+            continue
+        ranked = sorted((int(v["rank"]), int(i), float(v["logprob"])) for i, v in entry.items())
+        _, best, logprob = ranked[0]
+        nexts.append(Answer(Prompt(name, ()), (best,), (logprob,), ({i: lp for _, i, lp in ranked},)))
+    return nexts
+
+
+async def prefill(http: httpx.AsyncClient, url: str, model: str, answer: Answer, top: int) -> Answer | dict[str, Any]:
+    """The response to one prefill of `answer`'s prompt and tokens with their prompt logprobs, or an Answer
+    carrying why there is none."""
+    prompt = prefill_prompt(answer)
+    body = {"model": model, "prompt": list(prompt.ids), "max_tokens": 1, "temperature": 0, "ignore_eos": True,
+            "prompt_logprobs": top, "stream": False}
+    try:
+        response = await http.post(url.rstrip("/") + "/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        return Answer(prompt, error=f"{type(exc).__name__}: {exc}")
+    if response.status_code != 200:
+        return Answer(prompt, error=f"HTTP {response.status_code}: {response.text[:300]}")
+    payload: dict[str, Any] = response.json()
+    return payload
+
+
+def prefills(url: str, model: str, answers: Sequence[Answer], top: int) -> list[Answer | dict[str, Any]]:
+    """One prefill per answer that has tokens, all sent at once; an answer without tokens gets its own error."""
+    async def run() -> list[Answer | dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=600) as http:
+            return list(await asyncio.gather(*(
+                prefill(http, url, model, a, top) if a.ids else _failed(a) for a in answers)))
+    return asyncio.run(run())
+
+
+async def _failed(answer: Answer) -> Answer:
+    return Answer(answer.prompt, error=answer.error or "no tokens")
 
 
 def _gap(logprob: float, top: dict[int, float], other: int) -> float:

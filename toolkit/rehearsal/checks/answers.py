@@ -23,7 +23,8 @@ from toolkit.rehearsal.oracles import (
     against,
     against_prefill,
     answers,
-    prefill_prompts,
+    prefill_nexts,
+    prefills,
     tokenize,
 )
 from toolkit.rehearsal.requests import multi_system_messages
@@ -94,6 +95,23 @@ def _answer(stage: Stage, live: Live, label: str, prompts: list[Prompt],
     stage.rehearsal.requests.extend({"sent": label, "conversation": a.prompt.name, "prompt_tokens": len(a.prompt.ids),
                                      "ok": a.error is None, "message": a.error, "token_ids": list(a.ids)} for a in got)
     return got
+
+
+def _prefilled(stage: Stage, live: Live, label: str, mine: list[Answer]) -> list[list[Answer]]:
+    """Per answer, per token: the next token a prefill of what came before it computes (one prefill of each answer
+    with its prompt logprobs), kept in the report's requests; a 5xx carries the server's error."""
+    got = prefills(live.server.url, live.server.model, mine, TOP_LOGPROBS)
+    if any(isinstance(g, Answer) and g.error and g.error.startswith("HTTP 5") for g in got):
+        cause = stage.server_error(live.server)
+        got = [Answer(g.prompt, error=f"{g.error}; the server's log: {cause}") if isinstance(g, Answer) and g.error
+               else g for g in got]
+    nexts = [prefill_nexts(a, g) for a, g in zip(mine, got, strict=True)]
+    stage.rehearsal.requests.extend(
+        {"sent": label, "conversation": a.prompt.name, "prompt_tokens": len(a.prompt.ids) + len(a.ids),
+         "ok": not isinstance(g, Answer), "message": g.error if isinstance(g, Answer) else None,
+         "token_ids": [n.ids[0] if n.ids else None for n in following]}
+        for a, g, following in zip(mine, got, nexts, strict=True))
+    return nexts
 
 
 def _tokenized(stage: Stage, live: Live) -> list[Prompt]:
@@ -229,13 +247,8 @@ class Answers(RehearsalCheck):
             self.untokenized = exc.message
             return
         self.mine = _answer(stage, live, f"answers, TP {tp}", self.prompts, ANSWER_TOKENS)
-        following = [prefill_prompts(a) for a in self.mine]
-        flat = _answer(stage, live, f"answers, TP {tp}: one token after a fresh prefill",
-                       [p for group in following for p in group], 1)
-        self.nexts, at = [], 0
-        for group in following:
-            self.nexts.append(flat[at:at + len(group)])
-            at += len(group)
+        self.nexts = _prefilled(stage, live, f"answers, TP {tp}: a prefill of each answer, its prompt logprobs",
+                                self.mine)
         if not any(a.error for a in self.mine):
             self.plain, self.unplain = plain_answers(stage, self.prompts)
 
