@@ -38,10 +38,11 @@ from toolkit.runtime.preflight import Tree
 from toolkit.submission.render import render
 
 TEMPLATE = "/opt/toolkit/chat_templates/qwen36_multi_system.jinja"
-# beside the start's profile (since 2f7d5f5 a 1536-token prefill with one max-size image: about 1.07 GB emulated),
-# legacy40's KV cache holds 487 blocks at TP 1 (every layer counted), under the 512 of 8192 tokens, while the
-# flagship's accounting (10 layers) holds 1949 (measured)
-MEMORY_GB = 1.26
+# beside the start's profile (since 2f7d5f5 a 1536-token prefill with one max-size image), legacy40's KV cache holds
+# 330 blocks at TP 1 (every layer counted), under the 512 of the rehearsed 8192 tokens, while the flagship's
+# accounting (10 layers) holds 1313 (measured; with 1.26 GB legacy40 held 591 and started, with 1.20 the flagship's
+# held 256 and did not)
+MEMORY_GB = 1.23
 LEADING_SYSTEM_ONLY = (
     "{%- if messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' ~ messages[0].content ~ '<|im_end|>\\n' -}}"
     "{%- endif -%}{%- for m in messages -%}{%- if m.role != 'system' -%}"
