@@ -309,7 +309,7 @@ def test_a_recipe_of_another_architecture_installs_nothing_and_lint_says_so(cli,
     result = cli("lint", path, "--json")
     assert result.code == 2
     rules = [i["rule"] for i in result.json()["issues"] if i["severity"] == "error"]
-    assert rules == ["kernel-artefact"] * 4  # the four the base switches on
+    assert rules == ["kernel-artefact"] * 8  # the eight the base switches on (beta/decay and q/k stay off)
 
 
 def test_a_guard_is_read_against_the_served_config_and_says_what_it_cannot_know() -> None:

@@ -60,7 +60,7 @@ def test_the_substitutions_are_recorded_and_nothing_else_changes(tmp_path: Path)
     assert said == {"python3": ("python3", "/py"), "--model": ("/model", "/tiny"), "--host": ("0.0.0.0", "127.0.0.1"),
                     "--port": ("8000", "8123"), "--tensor-parallel-size": ("4", "2"),
                     "--max-model-len": ("262144", str(model.MAX_MODEL_LEN)),
-                    "--max-num-batched-tokens": ("16384", str(model.BATCH_TOKENS)),
+                    "--max-num-batched-tokens": ("8192", str(model.BATCH_TOKENS)),
                     "--chat-template": (TEMPLATE, str(tmp_path / TEMPLATE.lstrip("/"))),
                     "--swap-space": (None, "0")}
     # every other item of the argv is the run config's, in its place; what it does not set comes after it
@@ -226,7 +226,11 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert re.search(r"^called: corex_gdn_causal_conv x\d+, corex_attn_head_rms_norm x\d+; not reachable by the "
                      r"rehearsed model \(float16, TP 2;", checks["kernels"]["detail"]), checks["kernels"]
     assert "corex_gdn_packed_decode (its guard needs linear_num_key_heads/tp 4 (here 1)" in checks["kernels"]["detail"]
-    assert "switched off: corex_gdn_gated_norm (BI100_GDN_COREX_GATED_NORM 0)" in checks["kernels"]["detail"]
+    # the base's MoE kernels need the served widths (the parity tests compare them with the adapter's MoE); the two
+    # parts of the packed step it leaves off
+    assert "corex_moe_direct_routed (its guard needs hidden_size 2048 (here 64)" in checks["kernels"]["detail"]
+    assert checks["kernels"]["detail"].endswith("switched off: corex_gdn_beta_decay (BI100_GDN_COREX_BETA_DECAY 0), "
+                                                "corex_gdn_qk_map (BI100_GDN_COREX_QK_MAP 0)"), checks["kernels"]
     # the oracles compared what they claim: TP 2 against TP 1, every decoded token against a fresh prefill
     assert re.search(r"^3\d tokens of 3 answers at TP 2 equal TP 1's; 3\d tokens of 3 answers equal those with the "
                      r"fast paths off \(TP 1, the variant adapter-paths \(MOE_NATIVE=0 CHUNK_PARALLEL=0 "
@@ -636,7 +640,8 @@ FAST_PATH_MUTANTS = {
     # NaN logprob says nothing of where)
     "gdn-decay-half": ("native_fastpaths/gdn.py", "        chunk_decay = last.exp().unsqueeze(-1)",
                        "        chunk_decay = (last / 2).exp().unsqueeze(-1)"),
-    # the router's k weights not renormalised to sum 1 (MOE_NATIVE)
+    # the router's k weights not renormalised to sum 1 (MOE_NATIVE: served by the variant native-moe; the base's
+    # MoE is the adapter's, with its kernels)
     "moe-no-renormalisation": ("native_fastpaths/moe.py",
                                "        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
                                "        pass\n"),
@@ -647,8 +652,9 @@ FAST_PATH_MUTANTS = {
 def test_a_fast_path_wrong_everywhere_fails_the_answers_against_the_plain_forward(
         tmp_path: Path, adapter_args: list[str], mutant: str) -> None:
     recipe = _mutant_recipe(tmp_path, patch=FAST_PATH_MUTANTS[mutant])
-    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), tp=1, output=tmp_path / "run",
-                                          checks=("answers",)))
+    variant = "native-moe" if mutant == "moe-no-renormalisation" else None
+    report = rehearse_cmd(RehearseRequest(recipe, _sources(adapter_args), variant=variant, tp=1,
+                                          output=tmp_path / "run", checks=("answers",)))
     checks = _checks(report)
     assert report.exit_code == 1 and checks["start"]["ok"] and checks["weights"]["ok"], checks
     detail = checks["answers"]["detail"]
