@@ -203,7 +203,7 @@ def test_all_variants_with_branches_and_push(cli, tmp_path: Path) -> None:
     assert heads == {"main", *(f"variant/{c}" for c in configs)}
     branch_tree = git.Repo(remote).commit("variant/mnbt-8192_mns-4_ecp-true_hka-full-attention").tree
     config = yaml.safe_load(branch_tree["computility-run.yaml"].data_stream.read())
-    assert config["command"][config["command"].index("--max-num-seqs") + 1] == "1"
+    assert config["command"][config["command"].index("--max-num-seqs") + 1] == "4"  # the variant's, not the base's 1
     # a branch is the very commit a build of that variant alone writes (its objects copied, not rebuilt)
     name = "mnbt-8192_mns-4_ecp-true_hka-full-attention"
     alone = cli("build", FLAGSHIP, "--variant", name, "-o", tmp_path / "alone", "--json")

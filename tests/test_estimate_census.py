@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -45,14 +46,19 @@ def _narrow_config(folder: Path) -> Path:
 
 
 def _recipe(folder: Path) -> Path:
-    """A copy of the flagship (its layers and calibration beside it) with one variant that turns the native MoE off
-    and nothing else, and none of its grid."""
+    """A copy of the flagship (its layers and calibration beside it) whose base serves the native MoE (the MoE
+    kernels off: one owner), with one variant that turns the native MoE off and nothing else (the adapter's own MoE),
+    and none of its grid."""
     for name in ("recipes", "layers"):
         shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     recipe = folder / "recipes" / FLAGSHIP.name
     head, _, _ = recipe.read_text(encoding="utf-8").partition("\nvariants:")
     # checks.fast_paths_off names a variant this copy drops
     head = "\n".join(line for line in head.splitlines() if not line.strip().startswith("fast_paths_off:"))
+    for switch, value in (("MOE_NATIVE", "1"), ("BI100_MOE_COREX_DIRECT_ROUTED", "0"),
+                          ("BI100_MOE_COREX_EXACT_REDUCE", "0"), ("BI100_MOE_COREX_WEIGHT_GATHER", "0")):
+        head, count = re.subn(rf"(?m)^  {switch}: \"[01]\"$", f'  {switch}: "{value}"', head)
+        assert count == 1, switch
     recipe.write_text(head + "\nvariants:\n  moe-adapter:\n    env:\n      MOE_NATIVE: \"0\"\n", encoding="utf-8")
     return recipe
 
