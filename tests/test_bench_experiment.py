@@ -3,6 +3,7 @@ measured, archived and stopped; nothing started beside a leftover; an interrupt 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -127,6 +128,14 @@ def test_an_interrupted_experiment_stops_the_server_it_started(cpu_env: tuple[Pa
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()
+        # and the server it started, with its workers (its own process group), so that this test's failure is not
+        # every later server test's "refusing to start beside a running server"
+        for line in stray_processes():
+            pid = int(line.split(":", 1)[0])
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                if "--port" in argv and argv[argv.index("--port") + 1:][:1] == [str(port)]:
+                    os.killpg(pid, signal.SIGKILL)
     assert proc.returncode == 130, err.decode()
     assert b"Traceback" not in err
     assert stray_processes() == [] and not port_in_use(port), "the interrupt stopped its server and workers"

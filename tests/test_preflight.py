@@ -161,7 +161,7 @@ def test_the_vendor_refuses_an_unknown_flag_and_parser(cli, python: Path, adapte
         data["variants"] = {"other-parser": {"args": {"num-scheduler-stepz": None, "tool-call-parser": "qwen4"}},
                             # no image a prompt: lint's start profile of images (mm-profile) would refuse it first
                             "tiny-batch": {"args": {"num-scheduler-stepz": None, "max-num-batched-tokens": 2,
-                                                    "limit-mm-per-prompt": "image=0"}}}
+                                                    "max-num-seqs": 4, "limit-mm-per-prompt": "image=0"}}}
         data.pop("matrix")
         data["checks"].pop("fast_paths_off")  # it names a variant this copy drops
 
@@ -208,6 +208,7 @@ def test_build_refuses_what_the_vendor_code_refuses(cli, python: Path, tmp_path:
     # lint has no rule for this one; the vendor's scheduler config refuses it at start
     # (no image a prompt: lint's start profile of images, mm-profile, would refuse it first)
     recipe = recipe_copy(tmp_path / "r", lambda d: d["serve"]["args"].update({"max-num-batched-tokens": 2,
+                                                                            "max-num-seqs": 4,
                                                                             "limit-mm-per-prompt": "image=0"}))
     out = tmp_path / "sub"
     result = cli("build", recipe, "-o", out, "--json")
