@@ -109,18 +109,27 @@ async def tokenize(http: httpx.AsyncClient, url: str, model: str, messages: list
     return [int(i) for i in response.json()["tokens"]]
 
 
-async def complete(http: httpx.AsyncClient, url: str, model: str, prompt: Prompt, max_tokens: int,
-                   top: int) -> Answer:
-    """A greedy completion of a token-id prompt, every token with its id and logprob."""
-    body = {"model": model, "prompt": list(prompt.ids), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "logprobs": top, "stream": False}
+async def _completion(http: httpx.AsyncClient, url: str, model: str, prompt: Prompt,
+                      asked: dict[str, Any]) -> Answer | dict[str, Any]:
+    """The `/v1/completions` response to a greedy token-id `prompt` (`asked`: the rest of the body), or an Answer
+    carrying why there is none."""
+    body = {"model": model, "prompt": list(prompt.ids), "temperature": 0, "ignore_eos": True, "stream": False,
+            **asked}
     try:
         response = await http.post(url.rstrip("/") + "/v1/completions", json=body)
     except httpx.HTTPError as exc:
         return Answer(prompt, error=f"{type(exc).__name__}: {exc}")
     if response.status_code != 200:
         return Answer(prompt, error=f"HTTP {response.status_code}: {response.text[:300]}")
-    return parse_answer(prompt, response.json())
+    payload: dict[str, Any] = response.json()
+    return payload
+
+
+async def complete(http: httpx.AsyncClient, url: str, model: str, prompt: Prompt, max_tokens: int,
+                   top: int) -> Answer:
+    """A greedy completion of a token-id prompt, every token with its id and logprob."""
+    got = await _completion(http, url, model, prompt, {"max_tokens": max_tokens, "logprobs": top})
+    return got if isinstance(got, Answer) else parse_answer(prompt, got)
 
 
 def answers(url: str, model: str, prompts: Sequence[Prompt], max_tokens: int, top: int) -> list[Answer]:
@@ -163,17 +172,7 @@ def prefill_nexts(answer: Answer, prefilled: Answer | dict[str, Any]) -> list[An
 async def prefill(http: httpx.AsyncClient, url: str, model: str, answer: Answer, top: int) -> Answer | dict[str, Any]:
     """The response to one prefill of `answer`'s prompt and tokens with their prompt logprobs, or an Answer
     carrying why there is none."""
-    prompt = prefill_prompt(answer)
-    body = {"model": model, "prompt": list(prompt.ids), "max_tokens": 1, "temperature": 0, "ignore_eos": True,
-            "prompt_logprobs": top, "stream": False}
-    try:
-        response = await http.post(url.rstrip("/") + "/v1/completions", json=body)
-    except httpx.HTTPError as exc:
-        return Answer(prompt, error=f"{type(exc).__name__}: {exc}")
-    if response.status_code != 200:
-        return Answer(prompt, error=f"HTTP {response.status_code}: {response.text[:300]}")
-    payload: dict[str, Any] = response.json()
-    return payload
+    return await _completion(http, url, model, prefill_prompt(answer), {"max_tokens": 1, "prompt_logprobs": top})
 
 
 def prefills(url: str, model: str, answers: Sequence[Answer], top: int) -> list[Answer | dict[str, Any]]:
