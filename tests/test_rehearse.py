@@ -1013,3 +1013,22 @@ def test_a_kernel_called_with_the_wrong_layout_stops_the_server_and_the_kernels_
     assert ("corex_gdn_causal_conv (BI100_GDN_COREX_CAUSAL_CONV on, its guard met by the rehearsed model, imported, "
             "never called)") in detail, detail
     assert stray_processes() == []
+
+
+def test_a_failed_answer_request_carries_the_servers_own_error_where_any_was_a_5xx() -> None:
+    """The answers' requests and their prefills alike: the server's log is read once, and only after a 5xx."""
+    from types import SimpleNamespace
+
+    from toolkit.rehearsal.checks.answers import _caused
+    from toolkit.rehearsal.oracles import Answer, Prompt
+
+    read: list[object] = []
+    stage = SimpleNamespace(server_error=lambda server: read.append(server) or "ValueError: boom (x.py:1)")
+    live = SimpleNamespace(server="served")
+    refused, payload = Answer(Prompt("a", (1,)), error="HTTP 400: no"), {"choices": []}
+    assert _caused(stage, live, [refused, payload]) == [refused, payload] and read == []  # type: ignore[arg-type]
+    got = _caused(stage, live, [Answer(Prompt("b", (2,)), error="HTTP 500: engine"), payload, refused])  # type: ignore[arg-type]
+    assert [g.error if isinstance(g, Answer) else g for g in got] == [
+        "HTTP 500: engine; the server's log: ValueError: boom (x.py:1)", payload,
+        "HTTP 400: no; the server's log: ValueError: boom (x.py:1)"]
+    assert read == ["served"]

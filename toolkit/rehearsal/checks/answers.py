@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import httpx
 
@@ -85,13 +85,26 @@ def answer_messages() -> list[tuple[str, list[dict[str, Any]]]]:
     return [*firsts, ("multi-system", multi_system_messages())]
 
 
+Got = TypeVar("Got")
+
+
+def _caused(stage: Stage, live: Live, got: list[Got]) -> list[Got]:
+    """`got` with every failed request (an Answer carrying an error) told the server's own error from its log, read
+    once, where any of them was a 5xx."""
+    def failed(item: object) -> bool:
+        return isinstance(item, Answer) and item.error is not None
+
+    if not any(failed(g) and str(cast(Answer, g).error).startswith("HTTP 5") for g in got):
+        return got
+    cause = stage.server_error(live.server)
+    return [cast(Got, Answer(cast(Answer, g).prompt, error=f"{cast(Answer, g).error}; the server's log: {cause}"))
+            if failed(g) else g for g in got]
+
+
 def _answer(stage: Stage, live: Live, label: str, prompts: list[Prompt],
             max_tokens: int) -> list[Answer]:
     """The prompts' greedy answers on `live`, kept in the report's requests; a 5xx carries the server's error."""
-    got = answers(live.server.url, live.server.model, prompts, max_tokens, TOP_LOGPROBS)
-    if any(a.error and a.error.startswith("HTTP 5") for a in got):
-        cause = stage.server_error(live.server)
-        got = [Answer(a.prompt, error=f"{a.error}; the server's log: {cause}") if a.error else a for a in got]
+    got = _caused(stage, live, answers(live.server.url, live.server.model, prompts, max_tokens, TOP_LOGPROBS))
     stage.rehearsal.requests.extend({"sent": label, "conversation": a.prompt.name, "prompt_tokens": len(a.prompt.ids),
                                      "ok": a.error is None, "message": a.error, "token_ids": list(a.ids)} for a in got)
     return got
@@ -100,11 +113,7 @@ def _answer(stage: Stage, live: Live, label: str, prompts: list[Prompt],
 def _prefilled(stage: Stage, live: Live, label: str, mine: list[Answer]) -> list[list[Answer]]:
     """Per answer, per token: the next token a prefill of what came before it computes (one prefill of each answer
     with its prompt logprobs), kept in the report's requests; a 5xx carries the server's error."""
-    got = prefills(live.server.url, live.server.model, mine, TOP_LOGPROBS)
-    if any(isinstance(g, Answer) and g.error and g.error.startswith("HTTP 5") for g in got):
-        cause = stage.server_error(live.server)
-        got = [Answer(g.prompt, error=f"{g.error}; the server's log: {cause}") if isinstance(g, Answer) and g.error
-               else g for g in got]
+    got = _caused(stage, live, prefills(live.server.url, live.server.model, mine, TOP_LOGPROBS))
     nexts = [prefill_nexts(a, g) for a, g in zip(mine, got, strict=True)]
     stage.rehearsal.requests.extend(
         {"sent": label, "conversation": a.prompt.name, "prompt_tokens": len(a.prompt.ids) + len(a.ids),
