@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 from toolkit.bench import workloads
 from toolkit.bench.client import Conversation, Settings, Turn, run
 from toolkit.bench.metrics import RequestRecord, official_score, percentile, summarize
+from toolkit.bench.serve import group_members, stray_processes
 from toolkit.bench.sse import Parser
 from toolkit.errors import ToolkitError
 
@@ -487,3 +489,26 @@ def test_a_whole_answer_fills_the_record_as_a_stream_does() -> None:
     failed = asyncio.run(run([Conversation("c", [Turn("hi")])], settings, 1, transport=httpx.MockTransport(
         lambda request: httpx.Response(500, json={"message": "boom"}))))[0][0]
     assert not failed.ok and failed.failure == "http_5xx" and "boom" in failed.message
+
+
+def test_a_zombie_is_no_member_of_a_servers_group_and_no_stray() -> None:
+    """A worker that has ended stays a zombie until its parent (or init) reaps it: the stop that waited for it
+    waited up to 1.5 s a server for a process that holds nothing, and a zombie named like a worker is no server."""
+    # a leader that starts a child named like a vLLM worker, which ends at once and is never reaped
+    code = ("import os, time\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nprint(pid, flush=True)\n"
+            "time.sleep(60)\n")
+    leader = subprocess.Popen([sys.executable, "-c", code, "VllmWorker"], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child never ended"
+            time.sleep(0.05)
+        assert group_members(leader.pid) == [leader.pid]
+        strays = [line.split(":", 1)[0] for line in stray_processes()]
+        assert str(leader.pid) in strays and str(child) not in strays
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()

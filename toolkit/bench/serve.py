@@ -40,12 +40,22 @@ def process_name(pid: int) -> str:
         return ""
 
 
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie: a process that has ended and holds no core or memory, only its entry until its parent (or
+    init, once the parent is gone) reaps it, which here took up to 1.5 s after a server's stop."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2:][:1] in ("Z", "X")
+
+
 def stray_processes(exclude: set[int] | None = None) -> list[str]:
     """Server or worker processes still running on this machine ("pid: command")."""
     exclude = (exclude or set()) | {os.getpid()}
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in exclude:
+        if not entry.name.isdigit() or int(entry.name) in exclude or _dead(int(entry.name)):
             continue
         pid = int(entry.name)
         text = _cmdline(pid) + " " + process_name(pid)
@@ -311,9 +321,10 @@ def stray_containers() -> list[str]:
 
 
 def group_members(pgid: int) -> list[int]:
+    """The group's processes still running (its zombies have ended)."""
     members = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and not _dead(int(entry.name)):
             try:
                 if os.getpgid(int(entry.name)) == pgid:
                     members.append(int(entry.name))
