@@ -352,3 +352,33 @@ def test_the_registry_is_the_one_list_of_kinds() -> None:
         assert kind.model.__module__ == kind.behaviour.__module__, f"{name}: model and behaviour in two modules"
         assert kind.edits_python == all(hasattr(kind.behaviour, m) for m in ("count", "rewrite")), name
         assert kind.edits_python != hasattr(kind.behaviour, "plan"), name
+
+
+@pytest.mark.parametrize("text", ["a: [1, 2\nb: 3\n", "a: 1\n b: 2\n", "a:\n\t- x\n", "a: 'open\n", "a: *nothing\n",
+                                  "name: x\x01\n", "- 1\n- 2\nb: 3\n"])
+def test_yaml_libyaml_refuses_reads_as_pyyamls_own_error(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes are composed by libyaml where PyYAML has it; a document it refuses is composed again by PyYAML's
+    parser, so the message and its line are PyYAML's, as before."""
+    from toolkit import yamlpos
+
+    def refused() -> tuple[str, yamlpos.Mark | None]:
+        with pytest.raises(yamlpos.YamlLoadError) as caught:
+            yamlpos.load(text, "r.yaml")
+        return caught.value.message, caught.value.mark
+
+    assert yamlpos._COMPOSER is yaml.CSafeLoader  # the wheel's libyaml, on every machine the tests run on
+    fast = refused()
+    monkeypatch.setattr(yamlpos, "_COMPOSER", yaml.SafeLoader)
+    assert fast == refused()
+
+
+def test_the_recipes_nodes_and_marks_are_the_same_from_libyaml_and_pyyaml(monkeypatch: pytest.MonkeyPatch) -> None:
+    from toolkit import yamlpos
+
+    for path in sorted([*REPO.glob("recipes/*.yaml"), *REPO.glob("layers/*.yaml"), *REPO.glob("tests/**/*.yaml")]):
+        text = path.read_text(encoding="utf-8")
+        fast = yamlpos.load(text, path.name)
+        with monkeypatch.context() as patch:
+            patch.setattr(yamlpos, "_COMPOSER", yaml.SafeLoader)
+            slow = yamlpos.load(text, path.name)
+        assert (fast.data, fast.marks, fast.key_marks) == (slow.data, slow.marks, slow.key_marks), path
