@@ -59,6 +59,20 @@ class Tree:
         return Tree(node, {p[n:]: m for p, m in self.marks.items() if p[:n] == path},
                     {p[n:]: m for p, m in self.key_marks.items() if p[:n] == path and len(p) > n})
 
+    def parts(self) -> list[Tree]:
+        """Every item of a list, or every value of a mapping, as `sub` gives it: in one pass over the marks (a `sub`
+        per item is a pass each, which made a recipe's transforms list quadratic in its marks)."""
+        keys = list(range(len(self.data))) if isinstance(self.data, list) else list(self.data)
+        marks: dict[str | int, dict[Path_, Mark]] = {key: {} for key in keys}
+        key_marks: dict[str | int, dict[Path_, Mark]] = {key: {} for key in keys}
+        for path, mark in self.marks.items():
+            if path and path[0] in marks:
+                marks[path[0]][path[1:]] = mark
+        for path, mark in self.key_marks.items():
+            if len(path) > 1 and path[0] in key_marks:
+                key_marks[path[0]][path[1:]] = mark
+        return [Tree(self.data[key], marks[key], key_marks[key]) for key in keys]
+
     def mark(self, *path: str | int) -> Mark | None:
         return self.key_marks.get(path) or self.marks.get(path)
 
@@ -67,12 +81,13 @@ class Tree:
 
     def put(self, key: str | int, value: Tree) -> None:
         """data[key] = value, with value's marks (a list index one past the end appends)."""
-        if isinstance(self.data, list) and key == len(self.data):
+        appended = isinstance(self.data, list) and key == len(self.data)
+        if appended:
             self.data.append(value.data)
         else:
             self.data[key] = value.data
-        _graft(self.marks, (key,), value.marks)
-        _graft(self.key_marks, (key,), value.key_marks)
+        _graft(self.marks, (key,), value.marks, replace=not appended)
+        _graft(self.key_marks, (key,), value.key_marks, replace=not appended)
 
     def append(self, value: Tree) -> None:
         self.put(len(self.data), value)
@@ -84,10 +99,11 @@ class Tree:
                     {p: m for p, m in self.key_marks.items() if p[:1] != (key,)})
 
 
-def _graft(marks: dict[Path_, Mark], at: Path_, tree_marks: dict[Path_, Mark]) -> None:
-    """Put a subtree's marks under `at`, dropping what stood there before."""
+def _graft(marks: dict[Path_, Mark], at: Path_, tree_marks: dict[Path_, Mark], replace: bool = True) -> None:
+    """Put a subtree's marks under `at`, dropping what stood there before (`replace`; a list's new last item has
+    nothing there)."""
     n = len(at)
-    for path in [p for p in marks if p[:n] == at and len(p) > n]:
+    for path in [p for p in marks if replace and p[:n] == at and len(p) > n]:
         del marks[path]
     for path, mark in tree_marks.items():
         marks[(*at, *path)] = mark
@@ -115,8 +131,8 @@ def _expand_groups(transforms: Tree, file: str, outer: Tree | None = None) -> Tr
     if not isinstance(transforms.data, list):
         return transforms  # the model says what is wrong with it
     out = Tree([])
-    for index, item in enumerate(transforms.data):
-        node = transforms.sub(index)
+    for index, node in enumerate(transforms.parts()):
+        item = node.data
         if isinstance(item, dict) and GROUP_DEFAULTS in item:
             extra = sorted(set(item) - {GROUP_DEFAULTS, "transforms"})
             if extra or "transforms" not in item:
@@ -134,8 +150,8 @@ def _expand_groups(transforms: Tree, file: str, outer: Tree | None = None) -> Tr
             if outer is not None:  # a group inside a group: the inner defaults over the outer
                 defaults = _with_defaults(defaults, outer)
             members = _expand_groups(node.sub("transforms"), file, defaults)
-            for member in range(len(members.data)):
-                out.append(members.sub(member))
+            for member in members.parts():
+                out.append(member)
             continue
         if outer is not None and isinstance(item, dict):
             node = _with_defaults(node, outer)
@@ -160,13 +176,11 @@ def _merge_transforms(base: Tree, later: Tree, file: str) -> Tree:
     out = Tree([])
     earlier: dict[str, int] = {}  # id -> position, of the earlier layers' transforms only
     replaced: dict[str, str] = {}  # id -> where the replacement that took its place is
-    for index in range(len(base.data)):
-        item = base.sub(index)
+    for index, item in enumerate(base.parts()):
         out.append(item)
         if isinstance(item.data, dict) and isinstance(item.data.get("id"), str):
             earlier.setdefault(item.data["id"], index)
-    for index in range(len(later.data)):
-        item = later.sub(index)
+    for index, item in enumerate(later.parts()):
         target = item.data.get(INSTEAD_OF) if isinstance(item.data, dict) else None
         if target is None:
             out.append(item)  # a duplicate id is the loader's to report, with both places
@@ -193,8 +207,7 @@ def _merge_named(base: Tree, later: Tree, file: str, key: str) -> Tree:
     out = Tree([])
     names: dict[str, int] = {}
     for tree in (base, later):
-        for index in range(len(tree.data)):
-            item = tree.sub(index)
+        for index, item in enumerate(tree.parts()):
             name = item.data.get("name") if isinstance(item.data, dict) else None
             if name is not None and not isinstance(name, str):
                 raise error_at(item.mark("name"), file, f"{key}[{index}].name is a string, got {name!r}",
@@ -359,8 +372,7 @@ def _unresolved(tree: Tree, file: str) -> None:
     if not isinstance(tree.data, dict) or not isinstance(tree.data.get("transforms"), list):
         return
     transforms = tree.sub("transforms")
-    for index in range(len(transforms.data)):
-        item = transforms.sub(index)
+    for index, item in enumerate(transforms.parts()):
         target = item.data.get(INSTEAD_OF) if isinstance(item.data, dict) else None
         if target is not None:
             mark = item.mark(INSTEAD_OF)
