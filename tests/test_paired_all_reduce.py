@@ -1,0 +1,66 @@
+"""The CPU runtime's two-rank all-reduce through shared memory (toolkit.runtime.cpu_device._Pair): two real processes
+on gloo, every call's result compared bit for bit with gloo's own all-reduce of the same tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from toolkit.bench.serve import free_port
+
+RANK = textwrap.dedent('''
+    import json, os, sys
+    import torch
+    import torch.distributed as dist
+    from toolkit.runtime import cpu_device
+
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    gloo = dist.all_reduce
+    dist.all_reduce = cpu_device._paired_all_reduce(torch, gloo)
+    paired = []
+    reduce = cpu_device._Pair.reduce
+    cpu_device._Pair.reduce = lambda self, tensor: (paired.append(1), reduce(self, tensor))[1]
+    torch.manual_seed(rank)
+    results = []
+    shapes = [(1, 64), (3, 1792), (5,), (1,), (2, 7, 9), (600, 1024)]  # the last is 2.3 MiB in float32: gloo's
+    for call in range(40):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            shape = shapes[call % len(shapes)]
+            mine = (torch.randn(shape) * 100).to(dtype)
+            if call % 5 == 4:  # a strided view, reduced in place as gloo does
+                mine = torch.randn((shape[0], 2 * shape[-1]) if len(shape) > 1 else (2 * shape[0],)).to(dtype)
+                mine = mine[..., ::2]
+            expected = mine.clone().contiguous()
+            gloo(expected)
+            got = mine.clone()
+            dist.all_reduce(got)
+            if call % 7 == 0:  # another collective between two all-reduces
+                other = torch.tensor([rank])
+                dist.broadcast(other, src=0)
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            results.append(got.shape == expected.shape
+                           and torch.equal(got.contiguous().view(bits), expected.view(bits)))
+    print(json.dumps({"rank": rank, "same": results, "paired": len(paired)}))
+    dist.destroy_process_group()
+''')
+
+
+def test_a_pairs_all_reduce_through_shared_memory_is_gloos_bit_for_bit(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    outs = [rank.communicate(timeout=300) for rank in ranks]
+    for rank, (_, err) in zip(ranks, outs, strict=True):
+        assert rank.returncode == 0, err[-3000:]
+    for out, _ in outs:
+        report = json.loads(out.strip().splitlines()[-1])
+        assert all(report["same"]) and len(report["same"]) == 120, report
+        # every call but the 2.3 MiB ones (40 calls, every sixth shape, three dtypes) went through the pair
+        assert report["paired"] == 120 - 3 * len(range(5, 40, 6)), report
