@@ -103,7 +103,7 @@ def _graft(marks: dict[Path_, Mark], at: Path_, tree_marks: dict[Path_, Mark], r
     """Put a subtree's marks under `at`, dropping what stood there before (`replace`; a list's new last item has
     nothing there)."""
     n = len(at)
-    for path in [p for p in marks if replace and p[:n] == at and len(p) > n]:
+    for path in [p for p in marks if p[:n] == at and len(p) > n] if replace else []:
         del marks[path]
     for path, mark in tree_marks.items():
         marks[(*at, *path)] = mark
