@@ -40,14 +40,16 @@ def process_name(pid: int) -> str:
         return ""
 
 
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie: a process that has ended and holds no core or memory, only its entry until its parent (or
-    init, once the parent is gone) reaps it, which here took up to 1.5 s after a server's stop."""
+def _running(pid: int) -> int | None:
+    """The process group of a process still running; None when it is gone or a zombie (it has ended and holds no
+    core or memory, only its entry until its parent, or init once the parent is gone, reaps it: up to 1.5 s here
+    after a server's stop). Its state and group read from one /proc/PID/stat."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True
-    return stat[stat.rfind(")") + 2:][:1] in ("Z", "X")
+        return None
+    state, _parent, group = stat[stat.rfind(")") + 2:].split(" ", 3)[:3]
+    return None if state in ("Z", "X") else int(group)
 
 
 def stray_processes(exclude: set[int] | None = None) -> list[str]:
@@ -55,7 +57,7 @@ def stray_processes(exclude: set[int] | None = None) -> list[str]:
     exclude = (exclude or set()) | {os.getpid()}
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in exclude or _dead(int(entry.name)):
+        if not entry.name.isdigit() or int(entry.name) in exclude or _running(int(entry.name)) is None:
             continue
         pid = int(entry.name)
         text = _cmdline(pid) + " " + process_name(pid)
@@ -322,15 +324,8 @@ def stray_containers() -> list[str]:
 
 def group_members(pgid: int) -> list[int]:
     """The group's processes still running (its zombies have ended)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and not _dead(int(entry.name)):
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    members.append(int(entry.name))
-            except ProcessLookupError:
-                continue
-    return members
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and _running(int(entry.name)) == pgid]
 
 
 def _group_alive(pgid: int) -> bool:
