@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 from toolkit.bench.serve import free_port
 
@@ -19,6 +20,11 @@ RANK = textwrap.dedent('''
     from toolkit.runtime import cpu_device
 
     rank = int(sys.argv[1])
+    cpu_device.PAIR_DIR = sys.argv[2]
+    if sys.argv[3] == str(rank):  # this rank cannot map the segment: both ranks keep gloo's all-reduce
+        def unmappable(*args, **kwargs):
+            raise OSError("no room")
+        cpu_device.mmap.mmap = unmappable
     dist.init_process_group("gloo", rank=rank, world_size=2)
     gloo = dist.all_reduce
     dist.all_reduce = cpu_device._paired_all_reduce(torch, gloo)
@@ -50,17 +56,32 @@ RANK = textwrap.dedent('''
 ''')
 
 
-def test_a_pairs_all_reduce_through_shared_memory_is_gloos_bit_for_bit(tmp_path: Path) -> None:
+def _ranks(tmp_path: Path, unmappable: str) -> list[dict[str, Any]]:
+    """Both ranks' reports; each exited 0 and said nothing on stderr (no traceback, no warning at exit)."""
     script = tmp_path / "rank.py"
     script.write_text(RANK)
+    segments = tmp_path / "segments"
+    segments.mkdir()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(segments), unmappable],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
     outs = [rank.communicate(timeout=300) for rank in ranks]
     for rank, (_, err) in zip(ranks, outs, strict=True):
         assert rank.returncode == 0, err[-3000:]
-    for out, _ in outs:
-        report = json.loads(out.strip().splitlines()[-1])
+        assert err.strip() == "", err[-3000:]
+    assert list(segments.iterdir()) == [], "the segment's name was unlinked once both ranks held it"
+    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    for report in reports:
         assert all(report["same"]) and len(report["same"]) == 120, report
+    return reports
+
+
+def test_a_pairs_all_reduce_through_shared_memory_is_gloos_bit_for_bit(tmp_path: Path) -> None:
+    for report in _ranks(tmp_path, unmappable="none"):
         # every call but the 2.3 MiB ones (40 calls, every sixth shape, three dtypes) went through the pair
         assert report["paired"] == 120 - 3 * len(range(5, 40, 6)), report
+
+
+def test_a_rank_that_cannot_map_the_segment_leaves_both_on_gloo(tmp_path: Path) -> None:
+    for report in _ranks(tmp_path, unmappable="1"):
+        assert report["paired"] == 0, report

@@ -264,6 +264,10 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     assert "prompt_tokens = the served template's rendering with every tool schema" in checks["tools"]["detail"]
     log = Path(variant["logs"][0]).read_text(encoding="utf-8", errors="replace")
     assert "VllmWorkerProcess" in log  # the second rank ran in its own process
+    # every server stopped as cleanly as it served: no traceback in any log (the CPU runtime's shared-memory
+    # all-reduce once left two at every TP 2 server's stop, and two "Exception ignored")
+    assert not {name: text.count("Traceback") for name, text in argv.items()
+                if "Traceback" in text or "Exception ignored" in text}
     assert stray_processes() == [], "every server's group (engine process, TP worker) was stopped"
 
 

@@ -12,12 +12,13 @@ the stand-ins as `toolkit_cpu_device`; it needs torch, which it patches once tor
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
+import mmap
 import os
 import platform
 import sys
+import tempfile
 import threading
 import time
 import types
@@ -312,6 +313,7 @@ def _gloo(torch: types.ModuleType) -> None:
 PAIR_SLOT_BYTES = 1 << 20
 PAIR_WAIT_S = 1800.0  # gloo's own default timeout: a peer that never arrives ends in an error, not a hang
 PAIR_SPINS = 2000  # yields before the wait sleeps between looks (a peer descheduled for long)
+PAIR_DIR = "/dev/shm"  # memory, where the machine has it; else the temporary folder's page cache
 
 
 class _Pair:
@@ -321,28 +323,47 @@ class _Pair:
     after the peer published the call between, that is after the peer read this one. The published numbers are
     plain stores, ordered after the data's on x86 (the only machine this runs on, `_pairable`)."""
 
-    def __init__(self, torch: types.ModuleType, dist: Any, group: Any) -> None:
-        from multiprocessing import resource_tracker, shared_memory
-
+    def __init__(self, torch: types.ModuleType, rank: int, memory: mmap.mmap) -> None:
         self.torch = torch
-        self.rank = dist.get_rank(group)
-        size = 64 + 4 * PAIR_SLOT_BYTES
-        if self.rank == 0:
-            self.memory = shared_memory.SharedMemory(create=True, size=size)
-            atexit.register(self.memory.unlink)
-        names = [self.memory.name if self.rank == 0 else None]
-        dist.broadcast_object_list(names, src=dist.get_process_group_ranks(group)[0], group=group)
-        if self.rank != 0:
-            self.memory = shared_memory.SharedMemory(name=names[0])
-            # Python 3.11 registers an attached segment too, and would unlink it at this process's exit
-            resource_tracker.unregister(getattr(self.memory, "_name"), "shared_memory")  # noqa: B009
-        buf = self.memory.buf
-        assert buf is not None  # an open segment's
+        self.rank = rank
+        self.memory = memory
+        buf = memoryview(memory)
         self.published = buf[:16].cast("q")
         self.slots = [[torch.frombuffer(buf, dtype=torch.uint8, count=PAIR_SLOT_BYTES,
-                                        offset=64 + (2 * parity + rank) * PAIR_SLOT_BYTES) for rank in (0, 1)]
+                                        offset=64 + (2 * parity + owner) * PAIR_SLOT_BYTES) for owner in (0, 1)]
                       for parity in (0, 1)]
         self.calls = 0
+
+    @classmethod
+    def open(cls, torch: types.ModuleType, dist: Any, group: Any) -> _Pair | None:
+        """Both ranks' pair, or None on both (gloo's all-reduce then) when either could not map the segment.
+
+        The segment is a file both ranks map, unlinked once both hold it, so nothing is left behind whatever ends
+        them later. Not multiprocessing's SharedMemory: its resource tracker is the one the vendor's TP worker shares
+        with the leader (one rank's unregister broke the other's unlink: a KeyError traceback in the server log at
+        every stop), and its __del__ cannot close a segment tensors still view ("BufferError: cannot close exported
+        pointers exist" at every exit)."""
+        rank = dist.get_rank(group)
+        size = 64 + 4 * PAIR_SLOT_BYTES
+        names, fd, memory = [""], -1, None
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                fd, names[0] = tempfile.mkstemp(prefix="toolkit-pair-", dir=PAIR_DIR if os.path.isdir(PAIR_DIR)
+                                                else None)
+                os.ftruncate(fd, size)  # before the peer learns the name: it maps the whole size
+        dist.broadcast_object_list(names, src=dist.get_process_group_ranks(group)[0], group=group)
+        if names[0]:
+            with contextlib.suppress(OSError, ValueError):
+                if rank != 0:
+                    fd = os.open(names[0], os.O_RDWR)
+                memory = mmap.mmap(fd, size)
+        if fd >= 0:
+            os.close(fd)
+        held: list[bool | None] = [None, None]
+        dist.all_gather_object(held, memory is not None, group=group)  # the name is not needed after this
+        if rank == 0 and names[0]:
+            os.unlink(names[0])
+        return cls(torch, rank, memory) if memory is not None and all(held) else None
 
     def reduce(self, tensor: Any) -> None:
         self.calls += 1
@@ -377,7 +398,7 @@ def _pairable() -> bool:
 def _paired_all_reduce(torch: types.ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
     import torch.distributed as dist
 
-    pairs: dict[Any, _Pair] = {}
+    pairs: dict[Any, _Pair | None] = {}
 
     def all_reduce(tensor: Any, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
         # every condition is the same on both ranks (a collective's tensors agree in shape and dtype), so both
@@ -387,8 +408,11 @@ def _paired_all_reduce(torch: types.ModuleType, original: Callable[..., Any]) ->
             return original(tensor, op=op, group=group, async_op=async_op)
         key = group if group is not None else dist.group.WORLD
         if key not in pairs:
-            pairs[key] = _Pair(torch, dist, group)
-        pairs[key].reduce(tensor)
+            pairs[key] = _Pair.open(torch, dist, group)
+        pair = pairs[key]
+        if pair is None:
+            return original(tensor, op=op, group=group, async_op=async_op)
+        pair.reduce(tensor)
         return None
 
     return all_reduce
