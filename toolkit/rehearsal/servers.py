@@ -26,6 +26,7 @@ from toolkit.lint.context import (
     explicit_chunked_prefill,
     images_per_prompt,
 )
+from toolkit.pyenv import build_key
 from toolkit.recipe import ArgValue, Recipe
 from toolkit.rehearsal.locate import locate
 from toolkit.rehearsal.model import (
@@ -43,7 +44,7 @@ from toolkit.rehearsal.model import (
     Substitution,
 )
 from toolkit.runtime import standins
-from toolkit.runtime.preflight import Tree, emulated_devices
+from toolkit.runtime.preflight import Tree, emulated_devices, tree_digest
 
 Say = Callable[[str], None]
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # passed through from the caller
@@ -175,6 +176,19 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
 
 
 
+def _registry_key(python: Path, env: dict[str, str], config: dict[str, Any]) -> str:
+    """What the registry's answer for a checkpoint depends on: the runtime, the architectures, the environment and
+    the bytes of every folder on its PYTHONPATH (the patched tree, whatever the run config adds); the stand-ins'
+    folder by its name, which carries its content's digest. Asking costs a Python that imports vLLM (6-14 s); the
+    digest about 0.2 s, and any changed byte asks again."""
+    paths = [Path(entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    cache = cache_dir()
+    folders = [p for p in paths if p.is_dir() and not p.is_relative_to(cache)]
+    settings = {k: v for k, v in env.items() if k not in ("PYTHONPATH", standins.RECORD_ENV)}
+    return build_key(str(python), config["architectures"], sorted(settings.items()), MULTIMODAL_SCRIPT,
+                     [str(p) for p in paths if p not in folders], tree_digest(folders))
+
+
 @dataclass
 class Stage:
     """What every server of one rehearsal shares."""
@@ -206,6 +220,10 @@ class Stage:
                 record = self.rundir / "registry-standins" / "standins.json"
                 record.parent.mkdir(parents=True, exist_ok=True)
                 full_env, _ = server_environment(self, env, record, {}, "registry")
+                remembered = cache_dir() / "registry" / f"{_registry_key(self.python, full_env, config)}.json"
+                if remembered.is_file():
+                    self.multimodal_seen = bool(json.loads(remembered.read_text(encoding="utf-8"))["multimodal"])
+                    return self.multimodal_seen
                 proc = subprocess.run([str(self.python), "-c", MULTIMODAL_SCRIPT, *config["architectures"]],
                                       capture_output=True, text=True, env=full_env, cwd=self.rundir,
                                       timeout=START_TIMEOUT_S)
@@ -214,6 +232,10 @@ class Stage:
                                        f"multimodal model:\n{locate(proc.stderr[-3000:], self.tree)}",
                                        hint="the same import fails the server's start: rehearse --check start")
                 self.multimodal_seen = proc.stdout.strip().splitlines()[-1] == "True"
+                remembered.parent.mkdir(parents=True, exist_ok=True)
+                partial = remembered.with_name(f"{remembered.name}.{os.getpid()}.partial")
+                partial.write_text(json.dumps({"multimodal": self.multimodal_seen}), encoding="utf-8")
+                partial.replace(remembered)
         return self.multimodal_seen
 
     def whole_files(self) -> frozenset[str]:

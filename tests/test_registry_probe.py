@@ -1,0 +1,56 @@
+"""Whether the tree's vLLM serves a checkpoint as multimodal is asked of its own registry in a Python that imports vLLM
+(6-14 s a rehearsal); the answer is remembered under the digest of everything it depends on, and asked again when any
+byte of the tree changes. Real vLLM 0.6.3 (the CoreX-like reference tree), the real CPU runtime."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+from conftest import REPO
+
+from toolkit.recipe import load_recipe
+from toolkit.rehearsal import model, servers
+from toolkit.runtime import preflight
+from toolkit.runtime.env import runtime
+from toolkit.submission.render import render
+
+SECOND = REPO / "recipes" / "bi100-qwen25.yaml"
+
+
+def _stage(tmp_path: Path, tree: preflight.Tree, checkpoint: Path, name: str) -> servers.Stage:
+    loaded = load_recipe(SECOND)
+    rundir = tmp_path / name
+    rundir.mkdir()
+    run_config = render(loaded.recipe, SECOND.name, "base").run_config
+    return servers.Stage(loaded.recipe, run_config, tree, runtime(), checkpoint, 1, rundir, None, 2.0,
+                         lambda _: None, model.Rehearsal("base", 1, rundir))
+
+
+def _asked(stage: servers.Stage) -> bool:
+    """Whether the answer came from a Python of the runtime: its stand-ins wrote their record at its exit."""
+    return (stage.rundir / "registry-standins" / "standins.json").is_file()
+
+
+def test_the_registrys_answer_is_remembered_until_a_byte_of_the_tree_changes(tmp_path: Path) -> None:
+    tree = preflight.patched_copy(load_recipe(SECOND), {}, tmp_path / "work")
+    # a name no earlier run has seen: the first question below is asked whatever the cache holds
+    (tree.vendor / "vllm" / f"_toolkit_test_{uuid.uuid4().hex}.py").write_text("")
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"architectures": ["ChameleonForConditionalGeneration"],
+                                                        "vision_config": {}}))
+    first = _stage(tmp_path, tree, checkpoint, "first")
+    assert first.multimodal() is True and _asked(first)  # vLLM 0.6.3 registers Chameleon as multimodal
+    again = _stage(tmp_path, tree, checkpoint, "again")
+    assert again.multimodal() is True and not _asked(again)
+    # another architecture is another question
+    (checkpoint / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "vision_config": {}}))
+    text_only = _stage(tmp_path, tree, checkpoint, "text-only")
+    assert text_only.multimodal() is False and _asked(text_only)
+    # one byte of the tree changed: asked again
+    registry = tree.vendor / "vllm" / "model_executor" / "models" / "registry.py"
+    registry.write_text(registry.read_text() + "\n# changed\n")
+    changed = _stage(tmp_path, tree, checkpoint, "changed")
+    assert changed.multimodal() is False and _asked(changed)
