@@ -14,7 +14,7 @@ from typing import Any
 from toolkit.bench.serve import free_port
 
 RANK = textwrap.dedent('''
-    import json, os, sys
+    import json, os, pathlib, sys, time
     import torch
     import torch.distributed as dist
     from toolkit.runtime import cpu_device
@@ -52,7 +52,19 @@ RANK = textwrap.dedent('''
             results.append(got.shape == expected.shape
                            and torch.equal(got.contiguous().view(bits), expected.view(bits)))
     print(json.dumps({"rank": rank, "same": results, "paired": len(paired)}))
-    dist.destroy_process_group()
+    # rank 0 holds the rendezvous store: it goes last, once rank 1 has let go of the group (a rank 1 whose store
+    # went away under its teardown aborted, "terminate called without an active exception", 1 run in ~10 on a
+    # loaded machine)
+    dist.barrier()
+    done = pathlib.Path(sys.argv[4])
+    if rank == 1:
+        dist.destroy_process_group()
+        done.touch()
+    else:
+        deadline = time.monotonic() + 120
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dist.destroy_process_group()
 ''')
 
 
@@ -63,7 +75,8 @@ def _ranks(tmp_path: Path, unmappable: str) -> list[dict[str, Any]]:
     segments = tmp_path / "segments"
     segments.mkdir()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(segments), unmappable],
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(segments), unmappable,
+                               str(tmp_path / "rank-1-done")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
     outs = [rank.communicate(timeout=300) for rank in ranks]
     for rank, (_, err) in zip(ranks, outs, strict=True):
