@@ -35,6 +35,15 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+def remember(target: Path, text: str) -> None:
+    """A result written into the cache whole: another process reading `target` meanwhile sees the old file or the
+    new one, never a part."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(target)
+
+
 COMPLETE = ".complete"  # written last into a cached folder: a folder without it is never used
 
 

@@ -19,7 +19,7 @@ from packaging.version import Version
 from toolkit.bench import experiment
 from toolkit.bench.serve import Server, free_port, port_in_use
 from toolkit.errors import ToolkitError
-from toolkit.inputs import cache_dir
+from toolkit.inputs import cache_dir, remember
 from toolkit.lint.context import (
     AUTO_CHUNKED_ABOVE,
     chunked_prefill_effective,
@@ -232,10 +232,7 @@ class Stage:
                                        f"multimodal model:\n{locate(proc.stderr[-3000:], self.tree)}",
                                        hint="the same import fails the server's start: rehearse --check start")
                 self.multimodal_seen = proc.stdout.strip().splitlines()[-1] == "True"
-                remembered.parent.mkdir(parents=True, exist_ok=True)
-                partial = remembered.with_name(f"{remembered.name}.{os.getpid()}.partial")
-                partial.write_text(json.dumps({"multimodal": self.multimodal_seen}), encoding="utf-8")
-                partial.replace(remembered)
+                remember(remembered, json.dumps({"multimodal": self.multimodal_seen}))
         return self.multimodal_seen
 
     def whole_files(self) -> frozenset[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -21,7 +20,7 @@ from toolkit.engine.plan import ROOTFS_LABEL, Engine, Step, run_packages
 from toolkit.engine.state import STATE_FILE
 from toolkit.engine.writer import commit
 from toolkit.errors import ToolkitError
-from toolkit.inputs import Root, cache_dir, package_roots, reference_root, rootfs_roots
+from toolkit.inputs import Root, cache_dir, package_roots, reference_root, remember, rootfs_roots
 from toolkit.lint import lint
 from toolkit.lint.kv import GIB, estimate
 from toolkit.pyenv import build_key, script
@@ -567,8 +566,5 @@ def cached_run(loaded: LoadedRecipe, variants: list[Variant], pinned: dict[str, 
     if remembered is not None:
         return remembered, tree, True
     outcomes = run(loaded, variants, tree, python, model_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps([o.as_json() for o in outcomes]))
-    partial.replace(target)
+    remember(target, json.dumps([o.as_json() for o in outcomes]))
     return outcomes, tree, False
