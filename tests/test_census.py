@@ -104,3 +104,44 @@ def test_the_switch_is_off_unset_and_a_relative_folder_is_refused(monkeypatch: p
     assert census_module.from_environment({}) is None
     with pytest.raises(census_module.CensusError, match="not an absolute folder"):
         census_module.from_environment({census_module.ENV: "census"})
+
+
+def _paged_step(blocks: int, folder: Path) -> dict[str, tuple[int, float]]:
+    """One decode token written into the paged cache and attended over a 40-token context, by the vendor's calls
+    (their CPU references), in a cache of `blocks` blocks: each call's (calls, bytes)."""
+    regions = [("decode", "step")]
+    census = census_module.Census(lambda: regions[-1], census_module._writer(str(folder)))
+    standins.call_references_through(census.vendor)
+    kv_heads, size, x, block = 2, 64, 8, 16
+    key_cache = torch.zeros(blocks, kv_heads, size // x, block, x, dtype=torch.float16)
+    value_cache = torch.zeros(blocks, kv_heads, size, block, dtype=torch.float16)
+    key, value = torch.ones(1, kv_heads, size, dtype=torch.float16), torch.ones(1, kv_heads, size, dtype=torch.float16)
+    query, output = torch.ones(1, 4, size, dtype=torch.float16), torch.empty(1, 4, size, dtype=torch.float16)
+    table = torch.tensor([[3, 1, 2]], dtype=torch.int32)  # 40 tokens: two full blocks and 8 of a third
+    census.start()
+    standins.standin("ixformer.functions.vllm_cache_ops_reshape_and_cache")(
+        key, value, key_cache, value_cache, torch.tensor([2 * block + 7]))
+    standins.standin("ixformer.functions.vllm_single_query_cached_kv_attention")(
+        output, query, key_cache, value_cache, torch.tensor([0, 0, 1, 1]), 0.125, table, torch.tensor([40]), block,
+        40)
+    census.stop()
+    standins.call_references_through(None)
+    (line,) = census_module.read(folder)
+    return {op: (calls, nbytes) for _, op, _, _, _, calls, _, nbytes in line["ops"]}
+
+
+def test_the_vendors_paged_calls_are_priced_by_the_blocks_they_touch_not_the_caches_size(tmp_path: Path) -> None:
+    """The census sizes the KV cache for its deepest context: the cache write and the decode's attention move a
+    token's keys and a sequence's context whatever the cache holds."""
+    small, large = _paged_step(8, tmp_path / "small"), _paged_step(4096, tmp_path / "large")
+    assert small == large
+    half = 2
+    write, attend = (large[f"ixformer.functions.{name}"] for name in (
+        "vllm_cache_ops_reshape_and_cache", "vllm_single_query_cached_kv_attention"))
+    token = 2 * 64 * half  # one token's keys (or values) over its two KV heads
+    # the write reads the token's keys and values and writes them into their slot (and reads the slot index)
+    assert write[0] == 1 and 4 * token <= write[1] < 4 * token + 64
+    # the attention reads the 40 context tokens' keys and values (not the cache), the query, and writes the output
+    # (and reads its small index tensors: the block table, the lengths, the head mapping)
+    moved = 2 * 40 * token + 2 * 4 * 64 * half
+    assert attend[0] == 1 and moved <= attend[1] < moved + 1024

@@ -19,11 +19,13 @@ keeps every step it finished. What is counted, by rule:
   kernel of the vendor's (an all-gather or a reduce-scatter priced as an all-reduce): its FLOPs are
   those its CPU reference dispatched, its bytes its tensors'; an all-reduce is a collective of its tensor's bytes,
   with no FLOPs (the device model prices it over the link);
-- a prebuilt kernel's call (the image's `corex_*` modules) is one launch whose bytes are what it reads of its
-  arguments and what it writes: each argument's storage read as its reference's operations read it (a gather the
-  rows it selects, any other operation the view it spans), at most the whole storage; its results and the arguments
-  it writes in place. The reference's own intermediates (a gathered copy, a float32 widening) are registers and
-  shared memory in the kernel, not traffic.
+- a scatter (`cache[slots] = keys`) writes as many bytes as it is given, not its destination's;
+- a prebuilt kernel's call (the image's `corex_*` modules), and a vendor call handed the whole paged KV cache (its
+  attention, its cache write: `PAGED`), is one launch whose bytes are what it reads of its arguments and what it
+  writes: each argument's storage read as its reference's operations read it (a gather the rows it selects, any
+  other operation the view it spans), at most the whole storage; its results and what it writes of its arguments
+  (a scatter the rows it is given, any other operation the view it spans). The reference's own intermediates (a
+  gathered copy, a float32 widening) are registers and shared memory in the kernel, not traffic.
 
 A rank that fails (an exception in its worker, or its process dying) leaves its error as DIR/failed-<pid>.json the
 moment vLLM's own worker code logs it (the rank's exception in the rank, a dead rank's exit code in the driver's
@@ -62,6 +64,12 @@ WRAPPERS = frozenset({"vllm"})
 OUTSIDE = "(outside every region)"
 # operations that read only the rows they gather from their first argument (an expert's weights, an embedding's rows)
 GATHERS = frozenset({"index", "index_select", "gather", "embedding", "take"})
+# operations that write only the rows they scatter into their first argument (a token's keys into the paged cache)
+SCATTERS = frozenset({"index_put", "index_put_", "_index_put_impl_"})
+# vendor calls handed the whole paged KV cache, of which they read or write a sequence's blocks: priced as a prebuilt
+# kernel's call is, by what their reference touches of their arguments (the cache's size is the census's choice)
+PAGED = frozenset({"ixformer.functions.vllm_single_query_cached_kv_attention",
+                   "ixformer.functions.vllm_cache_ops_reshape_and_cache"})
 
 
 class CensusError(RuntimeError):
@@ -88,21 +96,26 @@ class Tally:
         self.read: dict[int, dict[tuple[Any, ...], float]] = {}
         self.written: dict[int, dict[tuple[Any, ...], float]] = {}
 
-    def touch(self, ins: list[Any], outs: list[Any], gathered: Any | None) -> None:
+    def touch(self, ins: list[Any], outs: list[Any], gathered: Any | None, scattered: Any | None = None) -> None:
         """An operation of a kernel's reference: the argument views it reads (`gathered`, a gather's source, read as
-        many bytes as the gather writes) and those it writes in place."""
+        many bytes as the gather writes) and those it writes in place (`scattered`, a scatter's destination, written
+        as many bytes as it is given: its last input)."""
         if not self.arguments:
             return
         for tensor in ins:
             storage = _storage(tensor)
-            if storage in self.arguments:
+            if storage in self.arguments and tensor is not scattered:
                 nbytes = _bytes(outs) if tensor is gathered else _bytes([tensor])
                 key = ("gather", _view(tensor), _view_all(outs)) if tensor is gathered else _view(tensor)
                 self.read.setdefault(storage, {})[key] = nbytes
         for tensor in outs:
             storage = _storage(tensor)
             if storage in self.arguments:
-                self.written.setdefault(storage, {})[_view(tensor)] = _bytes([tensor])
+                if scattered is not None and storage == _storage(scattered):
+                    rows = ("scatter", _view(tensor), _view_all(ins[1:]))
+                    self.written.setdefault(storage, {})[rows] = _scattered_bytes(scattered, ins)
+                else:
+                    self.written.setdefault(storage, {})[_view(tensor)] = _bytes([tensor])
 
     def traffic(self, results: list[Any]) -> float:
         """What the kernel moves: each argument's storage as read and as written (each at most its size), and its
@@ -181,11 +194,14 @@ class Census:
         if func.namespace == "c10d":  # a collective with no vendor call around it (a gather, a broadcast)
             self.tallies[-1].add(self.where(), label, _dtype(tensors), "collective", shapes, 0.0, _largest(tensors))
             return
-        nbytes = _bytes(tensors)
-        gathered = ins[0] if gather and ins and args and args[0] is ins[0] else None  # the source comes first
+        first = ins[0] if ins and args and args[0] is ins[0] else None  # the source, or the destination, comes first
+        gathered = first if gather else None
+        scattered = first if label.rsplit(".", 1)[-1] in SCATTERS and len(ins) > 1 else None
+        # a scatter reads its indices and values, and writes as many rows as it is given
+        nbytes = _bytes(tensors) if scattered is None else _bytes(ins[1:]) + _scattered_bytes(scattered, ins)
         if gathered is not None:
             nbytes += _bytes(outs) - _bytes(ins[:1])  # the rows it read are as many as it wrote
-        self.tallies[-1].touch(ins, outs, gathered)
+        self.tallies[-1].touch(ins, outs, gathered, scattered)
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
         elif attention and len(ins) >= 2 and ins[0].dim() == 4:
@@ -198,7 +214,7 @@ class Census:
     def vendor(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.tallies:
             return fn(*args, **kwargs)
-        kernel = any(name.startswith(k + ".") for k in _standins().RECORD.get("kernels", ()))
+        kernel = name in PAGED or any(name.startswith(k + ".") for k in _standins().RECORD.get("kernels", ()))
         # a prebuilt kernel is handed whole weight stacks and caches it reads a few rows of (the selected experts, a
         # sequence's blocks): what its reference reads of them is tracked
         inner = Tally(_tensors((args, kwargs)) if kernel else None)
@@ -309,6 +325,11 @@ def _bytes(tensors: list[Any]) -> float:
             seen.add(key)
             total += tensor.numel() * tensor.element_size()
     return float(total)
+
+
+def _scattered_bytes(destination: Any, ins: list[Any]) -> float:
+    """What a scatter writes into `destination`: its values (its last input) at the destination's element size."""
+    return float(ins[-1].numel() * destination.element_size())
 
 
 def _dtype(tensors: list[Any]) -> str:
