@@ -18,15 +18,18 @@ kernel switches) are predicted from their own censuses (the adapter's kernels at
 switch on top) on the team's workloads (S3, S8, DS18) at --max-num-seqs 1: each pair's predicted change of
 decode-only Output TPS P10 against the measured one (goal: the measured direction, within 25% of the measured
 change), and the decode against context row against the calibration's decode_context (two of its four figures
-decide it; the other two are predictions).
+decide it; the other two are predictions) and against the count alone (the context row's configuration, both
+kernels and IPC on, counted at contexts up to 235,064 tokens), and DS18's cold prefills (TTFT P50 at 4,096, 7,800 and
+16,000 tokens) against the count's chunks at their depth.
 
 Without --source the adapter's files at the pin are committed into a temporary repository, as benchmarks/rehearse.py
-does. Six censuses at TP 4: about 14 minutes on 2 cores.
+does. Seven censuses at TP 4, one of them at contexts: about 25 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -99,6 +102,7 @@ SECTION4 = (
 )
 ITL_IPC = (117.13, 76.29)  # ms, ITL P50 before and after IPC (the means of the three runs)
 CONTEXT_ROW = ((32_768, 10.188), (65_536, 7.024), (131_072, 5.120), (235_000, 3.698))
+COLD_PREFILL = ((4096, 6.968), (7800, 9.784), (16000, 22.159))  # DS18's cold TTFT P50, s
 
 
 def _section4_clients(workload: str) -> list[list[Request]]:
@@ -207,7 +211,10 @@ def main() -> int:
         recipes = {name: (recipe, render(recipe, loaded.path.name, "adapter-paths").run_config)
                    for name, recipe in configs}
         rundir = Path(args.output) if args.output else work / "censuses"
-        counted = count_variants(loaded, found, recipes, request, rundir)
+        counted = count_variants(loaded, found, recipes, request, rundir, {})
+        # the context row's configuration (both kernels and IPC on), counted at contexts up to its deepest figure
+        deep = {"contexts": recipes["packed-decode"]}
+        counted |= count_variants(loaded, found, deep, request, rundir, {"contexts": CONTEXT_ROW[-1][0] + 64 + 1})
     device = device_of(loaded.recipe.hardware, 4, all_reduce_of(measured_recipe.env))
     fitted = fit_on(counted["measured"], device, SECTION2, TIMINGS, {"variant": "adapter-paths"})
     # section 1 ran with NCCL (the vendor's hard-coded default: its rates are those the IPC change started from);
@@ -227,6 +234,9 @@ def main() -> int:
     rows = sections["1"] + sections["3"]
     section4 = _section4(counted, loaded, fitted.calibration)
     decode = fitted.calibration.decode_context
+    # the count alone prices the contexts here: the measured line is what it is checked against
+    counted_only = dataclasses.replace(fitted.calibration, decode_context=None)
+    deep_cost = predict.StepCost(counted["contexts"], device, counted_only)
     result: dict[str, Any] = {
         "calibration": {"launch_us": fitted.calibration.launch_us,
                         "bandwidth_fraction": fitted.calibration.bandwidth_fraction,
@@ -242,8 +252,13 @@ def main() -> int:
         "section4": section4,
         "context": [{"context": c, "measured_tok_s": rate,
                      "predicted_tok_s": 1 / decode.seconds(c) if decode else None,
+                     "counted_tok_s": 1 / deep_cost.decode_at(c),
                      "decides": str(c) not in fitted.checks.get("decode_context", {}).get("predicted", {})}
                     for c, rate in CONTEXT_ROW],
+        "cold_prefill": [{"tokens": n, "measured_ttft_s": ttft,
+                          "predicted_ttft_s": predict.predict(deep_cost, SECTION4_LIMITS, [[Request(n, 1, 0, "cold")]]
+                                                              ).metrics["ttft_p50_ms"] / 1e3}
+                         for n, ttft in COLD_PREFILL],
         "within_goal": sum(1 for r in rows for f in r["figures"].values()
                            if f["error"] is not None and abs(f["error"]) <= GOAL),
         "figures": sum(1 for r in rows for f in r["figures"].values() if f["error"] is not None),
@@ -295,11 +310,18 @@ def main() -> int:
             print(f"  {'':38s} ITL P50 ms: measured {ITL_IPC[0]:.1f} -> {ITL_IPC[1]:.1f} / predicted "
                   f"{row['itl_p50_ms'][0]:.1f} -> {row['itl_p50_ms'][1]:.1f}")
     print("  not expressible as a variant: the router's top-k on the logits (the adapter's own code before 2f7d5f5)")
-    print("\ndecode against context (the calibration's decode_context): measured / predicted tok/s")
+    print("\ndecode against context: measured / the calibration's decode_context line / counted tok/s (the count's "
+          "error)")
     for row in result["context"]:
         got = "-" if row["predicted_tok_s"] is None else f"{row['predicted_tok_s']:.3f}"
+        error = row["counted_tok_s"] / row["measured_tok_s"] - 1
         print(f"  {row['context']:>8,}: {row['measured_tok_s']:.3f} / {got}"
-              + ("  (decides the line)" if row["decides"] else "  (a prediction)"))
+              + (" (decides the line)" if row["decides"] else " (a prediction)")
+              + f" / {row['counted_tok_s']:.3f} ({error:+.0%})")
+    print("\ncold prefill (DS18's TTFT P50, chunks of 8,192 at their depth, counted): measured / predicted s")
+    for row in result["cold_prefill"]:
+        error = row["predicted_ttft_s"] / row["measured_ttft_s"] - 1
+        print(f"  {row['tokens']:>8,}: {row['measured_ttft_s']:.3f} / {row['predicted_ttft_s']:.3f} ({error:+.0%})")
     return 0
 
 

@@ -155,6 +155,44 @@ def test_a_step_is_priced_from_the_counted_shapes_nearest_it_on_its_slowest_rank
     assert cost(Step((70, 70), (Chunk(134, 0),))) == pytest.approx(250 * launch)
 
 
+def test_a_steps_contexts_are_priced_from_the_counted_contexts(tmp_path: Path) -> None:
+    """A decode at a context between two counted ones adds what one sequence's counted decodes there add over the
+    short context, linearly; a chunk at a depth adds its counted chunk's extra per token, times its tokens; where the
+    calibration has the target's measured decode against context, that prices the decodes (the chunks stay
+    counted)."""
+    from toolkit.estimate.device import DecodeContext
+
+    def deep(step: CountedStep, depth: int) -> CountedStep:
+        return dataclasses.replace(step, depth=depth)
+
+    counted = Counted([_step((), (256,), 400), _step((), (2048,), 2000), _step((65,), (), 30),
+                       _step((65, 65), (), 50),
+                       # a context of 4,000: its 256-token chunk costs 40 launches more than a cold one; its decodes
+                       # (the cheapest of two counts) 10 more than at 65
+                       deep(_step((), (256,), 440), 4000), deep(_step((4257,), (), 45), 4000),
+                       deep(_step((4258,), (), 40), 4000),
+                       # 36,000: the chunk 400 more, the decode 100 more
+                       deep(_step((), (256,), 800), 36000), deep(_step((36257,), (), 130), 36000)], tmp_path, [])
+    calibration = Calibration(launch_us=10, bandwidth_fraction=1, compute_fraction=1)
+    cost = StepCost(counted, BI_V100, calibration)
+    launch = 10e-6 + 1 / 1200e9
+    assert [x for x, _ in cost.context_points] == [4257, 36257]
+    assert [t for _, t in cost.context_points] == pytest.approx([10 * launch, 100 * launch])
+    assert cost(Step((65,), ())) == pytest.approx(30 * launch)
+    assert cost(Step((20257,), ())) == pytest.approx((30 + 55) * launch)  # halfway between the counted contexts
+    # two sequences: the batch's counted decode, and each one's context
+    assert cost(Step((4257, 36257), ())) == pytest.approx((50 + 10 + 100) * launch)
+    # a chunk of 512 tokens at 4,000: the cold 512 (between 256 and 2048) and twice the 256-token chunk's extra
+    cold = 400 + (2000 - 400) * (512 - 256) / (2048 - 256)
+    assert cost(Step((), (Chunk(512, 4000),))) == pytest.approx((cold + 2 * 40) * launch)
+    assert cost(Step((), (Chunk(512, 0),))) == pytest.approx(cold * launch)
+    measured = DecodeContext(32768, (0.04, 1e-8), (0.07, 1e-6))
+    with_measured = StepCost(counted, BI_V100, dataclasses.replace(calibration, decode_context=measured))
+    assert with_measured(Step((36257,), ())) == pytest.approx(30 * launch + measured.extra(36257, 65))
+    assert with_measured(Step((), (Chunk(512, 4000),))) == pytest.approx((cold + 2 * 40) * launch)
+    assert with_measured.decode_at(36257) == pytest.approx(130 * launch)  # the count, as checked against the figures
+
+
 def test_prompts_are_dealt_to_clients_and_a_shared_prefix_hits_only_once_its_first_request_ran() -> None:
     from toolkit.bench import workloads
 
@@ -313,6 +351,10 @@ def test_the_replay_runs_one_at_a_time_inside_its_budget_and_every_request_not_s
     assert [r.failure for r in whole.records] == [None, None, None, "http_4xx", None]
     assert any("1 of 5 prompt lengths are not in the file: each is the known ones' mean, 3,375" in s
                for s in whole.said)
+    # the deepest context the variant runs of it (what its census counts): row 3 is refused and runs nothing; with
+    # its limit cut to the room left it is served, its 10 tokens after its 9,000
+    assert replay.longest(rows, served) == 3375 + 12
+    assert replay.longest(rows, dataclasses.replace(served, cuts_completion_limit=True)) == 9000 + 10
     # the prefix cache: the longest shorter prompt among the three before, in whole blocks
     assert [r.cached_tokens for r in whole.records] == [0, 992, 1488, 0, 1488]
     # each request is sent when the one before it ends: 1000 tokens at 1 ms, then 9 decode steps of 50 ms

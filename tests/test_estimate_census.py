@@ -107,6 +107,42 @@ def _census_processes() -> list[int]:
     return found
 
 
+GATHER = "vllm.corex_paged_kv_gather.gather"  # the adapter's KV gather kernel, one launch in the census
+
+
+def test_the_census_counts_the_replays_contexts_the_gather_kernel_only_above_32768(
+        switched: tuple[Any, Path, Inputs, Path], tmp_path: Path) -> None:
+    """A replay whose longest request passes 32,768 tokens is counted at contexts up to it: the adapter's decode
+    takes its PyTorch path with the KV gather kernel above 32,768 tokens of context and its paged kernel at or below
+    (every rank, every step), and a prefill chunk deep in a prompt costs more than a cold one (its prefix
+    attention), the more the deeper."""
+    from toolkit.estimate.count import read
+
+    _, recipe, inputs, config = switched
+    shapes = tmp_path / "requests.csv"
+    shapes.write_text("index,request_id,prompt_tokens,output_tokens,finish_reason,completion_limit,failed_on_694\n"
+                      "0,a,33000,100,stop,,\n1,b,2000,50,stop,,\n", encoding="utf-8")
+    report = estimate(EstimateRequest(recipe, inputs, variant="base", workload="replay", conversations=shapes,
+                                      model_config=config, tp=2, output=tmp_path / "run"))
+    assert report.exit_code == 0, report.as_json()
+    base = report.extra["variants"]["base"]
+    counted = read(Path(base["census"]), 2, 40, 4, "step.model_forward.layer")
+    decodes = [step for step in counted.steps if step.decodes and not step.prefills]
+    above = [step for step in decodes if max(step.decodes) > 32768]
+    assert above and min(max(s.decodes) for s in above) < 34000 and max(max(s.decodes) for s in above) >= 33000
+    for step in decodes:
+        for rank, ops in step.ranks.items():
+            calls = sum(op.calls for op in ops if op.name == GATHER)
+            # one call a sequence in each full-attention layer, scaled from the counted one to the model's 10
+            assert calls == (10 if step in above else 0), (step.decodes, rank)
+    context = {int(c): ms for c, ms in base["context_decode_ms"].items()}
+    below = max(c for c in context if c <= 32768)
+    assert context[min(c for c in context if c > 32768)] > context[below]
+    depth = {int(d): ms for d, ms in base["depth_ms_per_token"].items()}
+    assert 0 < depth[4096] < depth[16384] < depth[32768]
+    assert any("counted contexts: one sequence's decode step" in note for note in report.notes)
+
+
 def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tuple[Any, Path, Inputs, Path],
                                                                      tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -128,10 +164,11 @@ def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tu
                for r in calibration["regions"].values())
     assert {"step.model_forward.layer.moe", "step.model_forward.layer.gdn"} <= set(calibration["regions"])
     # the written file is what the next estimate reads, here of a replay's shapes: every request counted, the one
-    # whose prompt fills the context refused, the one with no lengths filled and said
+    # whose prompt fills the context refused (it runs nothing, so no census counts its context), the one with no
+    # output length filled and said
     shapes = tmp_path / "requests.csv"
     shapes.write_text("index,request_id,prompt_tokens,output_tokens,finish_reason,completion_limit,failed_on_694\n"
-                      "0,a,300,6,stop,,\n1,b,500,4,tool_calls,,\n2,c,,,,,\n3,d,270000,4,stop,4096,\n",
+                      "0,a,300,6,stop,,\n1,b,500,4,tool_calls,,\n2,c,400,,,,\n3,d,270000,4,stop,4096,\n",
                       encoding="utf-8")
     capsys.readouterr()
     again = estimate(EstimateRequest(recipe, inputs, all_variants=True, tp=2, calibration=written,
@@ -144,7 +181,7 @@ def test_calibrate_fits_on_a_runs_records_and_never_replaces_a_file(switched: tu
     replayed = again.extra["variants"]["moe-adapter"]["replay"]
     assert (replayed["requests"], replayed["finished"], replayed["refused"]) == (4, 3, 1)
     assert replayed["success_rate"] == pytest.approx(3 / 4)
-    assert any("1 of 4 prompt lengths are not in the file" in said for said in replayed["said"])
+    assert any("1 of 4 output lengths are not in the file" in said for said in replayed["said"])
     [row] = [row for row in again.rows if row[0] == "moe-adapter"]
     assert "finished in budget" in again.columns and row[7] == "3/4 in " + f"{replayed['wall_s']:,.0f} s"
     with pytest.raises(ToolkitError, match="the platform replays one request at a time"):

@@ -84,13 +84,14 @@ def _census_key(run_config: str, device_only: frozenset[str]) -> str:
 
 
 def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[str, tuple[Recipe, str]],
-                   request: EstimateRequest, rundir: Path) -> dict[str, Any]:
-    """Each variant's census (`toolkit.estimate.count`), one per distinct code path, on one patched tree."""
+                   request: EstimateRequest, rundir: Path, longest: dict[str, int]) -> dict[str, Any]:
+    """Each variant's census (`toolkit.estimate.count`), one per distinct code path, on one patched tree, counted at
+    contexts up to the `longest` sequence the workload has it serve (by variant; none given: no context)."""
     from toolkit.bench import experiment as experiment_module
     from toolkit.bench.experiment import run_config_env
     from toolkit.bench.serve import stray_processes
     from toolkit.estimate import count as count_module
-    from toolkit.estimate.count import Plan, count, count_cached
+    from toolkit.estimate.count import Plan, contexts_for, count, count_cached
     from toolkit.pyenv import build_key
     from toolkit.rehearsal import Rehearsal
     from toolkit.rehearsal import servers as servers_module
@@ -116,6 +117,16 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
     wide.mkdir(parents=True, exist_ok=True)
     config, layers = tiny_model.wide_config(model, request.model_config)
     census_layers = int(config.get("text_config", config)["num_hidden_layers"])
+    text = config.get("text_config", config)
+    positions = int(text.get("max_position_embeddings") or 0)
+    reach = Plan(contexts=contexts_for(max(longest.values(), default=0))).max_model_len
+    widened = []
+    if positions < reach:
+        # the served model's positions (262,144 for Qwen3.6) are not the recipe's to give: the wide model takes
+        # those its deepest counted step needs, as vLLM refuses a longer --max-model-len and the rotary table ends
+        text["max_position_embeddings"] = reach
+        widened.append(f"the wide model's max_position_embeddings {positions or '(not given)'} -> {reach} (the "
+                       "contexts counted)")
     (wide / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     counted: dict[str, Any] = {}
     by_key: dict[str, Any] = {}
@@ -150,7 +161,7 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
             full_env, _ = server_environment(stage, {**env, **resolved}, folder / "standins" / "standins.json", {},
                                              "census")
             (folder / "standins").mkdir(parents=True, exist_ok=True)
-            plan = Plan()
+            plan = Plan(contexts=contexts_for(longest.get(name, 0)))
             if request.recount:
                 by_key[key] = counted[name] = count(run_config, full_env, python, wide, tp, folder, layers,
                                                     census_layers, settings.layer_region, plan, _say)
@@ -159,8 +170,9 @@ def count_variants(loaded: LoadedRecipe, found: dict[str, Path], recipes: dict[s
                                                str(python)], sort_keys=True), files=toolkit_files)
                 by_key[key] = counted[name] = count_cached(cached, run_config, full_env, python, wide, tp, folder,
                                                            layers, census_layers, settings.layer_region, plan, _say)
-            counted[name].changed += [f"env {k} {env.get(k, '(not given)')} -> {v} (estimate.timed_switches: the "
-                                      "target's choice, not this CPU's timing)" for k, v in resolved.items()]
+            counted[name].changed += widened + [
+                f"env {k} {env.get(k, '(not given)')} -> {v} (estimate.timed_switches: the target's choice, not this "
+                "CPU's timing)" for k, v in resolved.items()]
     return counted
 
 
@@ -272,7 +284,14 @@ def estimate(request: EstimateRequest) -> Report:
     recipes = _variant_recipes(loaded, request, dropped, not_accepted)
     rundir = _rundir(request)
     started = time.monotonic()
-    counted = count_variants(loaded, found, recipes, request, rundir)
+    if recorded:  # the deepest context each variant serves of the replay (a refused request runs nothing)
+        longest = {name: replay.longest(recorded, _served(loaded, variant_recipe, name))
+                   for name, (variant_recipe, _) in recipes.items()}
+    else:
+        deepest = max(r.prompt_tokens + r.max_tokens for client in predict.requests(conversations, 1, max_tokens)
+                      for r in client)
+        longest = dict.fromkeys(recipes, deepest)
+    counted = count_variants(loaded, found, recipes, request, rundir, longest)
     rows: list[tuple[str, ...]] = []
     data: dict[str, Any] = {}
     factor = fitted.spread
@@ -310,6 +329,10 @@ def estimate(request: EstimateRequest) -> Report:
             **data.get(name, {}), "range_factor": factor, "all_reduce": device.all_reduce,
             "decode_step_ms": {str(int(b)): round(s * 1e3, 3) for b, s in cost.decode_points},
             "prefill_step_ms": {str(int(t)): round(s * 1e3, 3) for t, s in cost.prefill_points},
+            # what the counted contexts say: one sequence's decode there, and a chunk's extra per token at a depth
+            "context_decode_ms": {str(int(c)): round(cost.decode_at(c) * 1e3, 3) for c, _ in cost.context_points},
+            "depth_ms_per_token": {str(int(d)): round(t * 1e3, 5) for d, t in cost.depth_points},
+            "decode_context_priced_by": "measured" if fitted.calibration.decode_context is not None else "counted",
             "decode_breakdown_ms": breakdown, "decode_regions": table, "runs": runs, "census": str(census.folder),
             "census_changes": census.changed, "notes": census.notes}
     notes = [f"calibration {calibration_file} (fitted on {fitted.fitted_on}"
@@ -323,11 +346,18 @@ def estimate(request: EstimateRequest) -> Report:
              f"counted at the target's widths in {time.monotonic() - started:.0f} s; censuses in {rundir}"]
     if left_out:
         notes.append(left_out)
+    for name, entry in data.items():
+        if not entry["depth_ms_per_token"]:
+            notes.append(f"{name}: no context counted (the workload's sequences are short): a step costs what it "
+                         "does at the census's short contexts")
+            continue
+        decodes = ", ".join(f"{c} {ms:.1f}" for c, ms in entry["context_decode_ms"].items())
+        depths = ", ".join(f"{d} {ms:.4f}" for d, ms in entry["depth_ms_per_token"].items())
+        priced = ("the calibration's measured decode against context prices a decode's; the count's is this"
+                  if entry["decode_context_priced_by"] == "measured" else "they price a decode's context")
+        notes.append(f"{name}: counted contexts: one sequence's decode step, ms, at {decodes} tokens ({priced}); a "
+                     f"prefill chunk's extra ms per token at a depth of {depths} tokens (its prefix attention)")
     if recorded:
-        notes.append("not priced: a step's context. Decodes and prefill chunks cost what they cost at the census's "
-                     "short contexts (a decode at 65 tokens, cold prefills of 16 to 2,048): on the target a decode "
-                     "at 235,000 tokens of context measured 3.7 tok/s against about 22 at short context, so the "
-                     "replay's times are a lower bound and its rates an upper one")
         for name, entry in data.items():
             notes += [f"{name}: replay: {said}" for said in entry["replay"]["said"]]
     if fitted.unidentified:
@@ -420,7 +450,7 @@ def _calibrate(loaded: LoadedRecipe, found: dict[str, Path], request: EstimateRe
     calibrate.timings(request.timings, _tp(loaded, request))
     recipes = _variant_recipes(loaded, request)
     rundir = _rundir(request)
-    counted = count_variants(loaded, found, recipes, request, rundir)
+    counted = count_variants(loaded, found, recipes, request, rundir, {})  # the decode regions the records time
     [(name, (_, run_config))] = recipes.items()
     device = device_of(loaded.recipe.hardware, _tp(loaded, request), all_reduce_of(run_config_env(run_config)))
     fitted = fit_on(counted[name], device, records, request.timings, _fitted_with(loaded, name, run_config))

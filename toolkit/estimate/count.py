@@ -40,22 +40,42 @@ def within(name: str, region: str) -> bool:
 @dataclass(frozen=True)
 class Plan:
     """The step shapes the census runs: each prefill length alone, twice, then each batch prefilled and decoded for
-    a few steps. A path's first call may do one-off work (the native MoE's `auto` times its candidates, a cache is
+    a few steps, then at each context a prefill chunk of `chunk` tokens at that depth and one sequence's decodes
+    there. A path's first call may do one-off work (the native MoE's `auto` times its candidates, a cache is
     filled), on any rank: each shape is counted more than once, and priced by each rank's cheapest count of it."""
 
     prefills: tuple[int, ...] = (16, 16, 256, 256, 2048, 2048)  # each batch's prompt is one more single prefill
     batches: tuple[int, ...] = (1, 2)
     decode_prompt: int = 64
     decode_steps: int = 3
+    contexts: tuple[int, ...] = ()
+    chunk: int = 256
+
+    def __post_init__(self) -> None:
+        whole = self.chunk >= 1 and self.chunk % BLOCK_TOKENS == 0
+        if not whole or any(c < self.chunk or c % BLOCK_TOKENS for c in self.contexts):
+            raise ValueError(f"a chunk is whole blocks of {BLOCK_TOKENS} tokens, a context a chunk or more of whole "
+                             f"blocks: {self}")
 
     @property
     def max_model_len(self) -> int:
-        longest = max([*self.prefills, self.decode_prompt + self.decode_steps + 1])
+        longest = max([*self.prefills, self.decode_prompt + self.decode_steps + 1,
+                       *(c + self.chunk + self.decode_steps + 1 for c in self.contexts)])
         return -(-longest // 1024) * 1024 + 1024
 
     @property
     def batched_tokens(self) -> int:
-        return max(self.max_model_len, max(self.batches) * self.decode_prompt)
+        """The step budget: the longest cold prefill in one step, and a batch's prompts; a context's prompt is
+        chunked (chunked prefill is on: `census_argv`), so it does not need a budget of its length, which the
+        engine's profile run would run at start."""
+        short = max([*self.prefills, self.decode_prompt + self.decode_steps + 1, self.chunk])
+        return max(-(-short // 1024) * 1024 + 1024, max(self.batches) * self.decode_prompt)
+
+    @property
+    def blocks(self) -> int:
+        """KV blocks: two budgets' worth, and the longest context's sequence beside them."""
+        deep = -(-self.max_model_len // BLOCK_TOKENS) if self.contexts else 0
+        return 2 * self.batched_tokens // BLOCK_TOKENS + deep
 
 
 @dataclass
@@ -65,6 +85,7 @@ class CountedStep:
     decodes: tuple[int, ...]
     prefills: tuple[int, ...]
     ranks: dict[int, list[Op]] = field(default_factory=dict)
+    depth: int = 0  # a counted context's step (its chunk after `depth` tokens, or its decodes there); 0: a short one
 
     @property
     def tokens(self) -> int:
@@ -84,6 +105,24 @@ class Counted:
     notes: list[str] = field(default_factory=list)  # what the served path said it chose (profiling notes)
 
 
+def contexts_for(longest: int, chunk: int = Plan.chunk, decode_steps: int = Plan.decode_steps) -> tuple[int, ...]:
+    """The contexts a census counts for a workload whose longest sequence is `longest` tokens: each power of two from
+    4,096 it passes, and just below each (a path the served code switches at a power of two, as the adapter's decode
+    above 32,768 tokens, is counted on both sides of it: the chunk and decodes after it end at or under the power),
+    and its longest; a step at another context is interpolated. Each is a whole number of blocks, as the chunk is:
+    a prompt that ends inside a block has the exact checkpoints split its last chunk at the block's start, which a
+    cold prefill's count does not have either."""
+    reach = chunk + decode_steps + 1  # a point's chunk and decodes lie above its context
+    below = chunk + -(-(decode_steps + 1) // BLOCK_TOKENS) * BLOCK_TOKENS
+    last = (longest - reach) // BLOCK_TOKENS * BLOCK_TOKENS
+    points = [last] if last >= chunk else []  # a context's first chunk is computed, the rest skipped
+    power = 4096
+    while power + reach < longest:
+        points += [power - below, power]
+        power *= 2
+    return tuple(sorted(set(points)))
+
+
 def census_argv(run_config: str, python: Path, model: Path, tp: int, plan: Plan) -> tuple[list[str], list[str]]:
     """The variant's server argv as the engine's parser takes it, with what the census needs said: the wide model
     with dummy weights and no tokenizer, the served TP, lengths and blocks for the plan's steps."""
@@ -91,13 +130,17 @@ def census_argv(run_config: str, python: Path, model: Path, tp: int, plan: Plan)
     changes = [("--tensor-parallel-size", str(tp)), ("--max-model-len", str(plan.max_model_len)),
                ("--max-num-batched-tokens", str(plan.batched_tokens)),
                ("--max-num-seqs", str(max(plan.batches))), ("--load-format", "dummy"),
-               ("--num-gpu-blocks-override", str(2 * plan.batched_tokens // BLOCK_TOKENS)), ("--swap-space", "0")]
+               ("--num-gpu-blocks-override", str(plan.blocks)), ("--swap-space", "0")]
     said = []
     for flag, value in changes:
         before = experiment.flag_value(argv, flag)
         argv = experiment.set_flag(argv, flag, value)
         if before != value:
             said.append(f"{flag} {before or '(not given)'} -> {value}")
+    if plan.contexts and "--enable-chunked-prefill" not in argv:
+        # a prompt's chunk after its context is chunked prefill's step; 0.6.3 turns it on by itself only above 32K
+        argv.append("--enable-chunked-prefill")
+        said.append("--enable-chunked-prefill (a chunk at a context is chunked prefill's step)")
     if "--skip-tokenizer-init" not in argv:
         argv.append("--skip-tokenizer-init")
         said.append("--skip-tokenizer-init (the wide model has no tokenizer)")
@@ -145,6 +188,8 @@ def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: i
     plan_file = folder / "plan.json"
     plan_file.write_text(json.dumps({"args": args, "prefills": list(plan.prefills), "batches": list(plan.batches),
                                      "decode_prompt": plan.decode_prompt, "decode_steps": plan.decode_steps,
+                                     "contexts": list(plan.contexts), "chunk": plan.chunk,
+                                     "budget": plan.batched_tokens,
                                      "vocab": int(config.get("text_config", config)["vocab_size"]),
                                      "labels": str(labels_file)}), encoding="utf-8")
     # on a CPU every operation has ended when it returns: the census run's own region times are attributed as a
@@ -239,7 +284,8 @@ def read(folder: Path, tp: int, layers: int, census_layers: int, layer_region: s
                            hint="each rank counts inside the probes' `step` region: does the recipe include the "
                            "probes layer (TOOLKIT_PROFILE=1)?")
     scale = layers / census_layers
-    steps = [CountedStep(tuple(label["decodes"]), tuple(label["prefills"])) for label in labels]
+    steps = [CountedStep(tuple(label["decodes"]), tuple(label["prefills"]), depth=int(label.get("depth", 0)))
+             for label in labels]
     for rank, lines in per_rank.items():
         for step, line in zip(steps, lines, strict=True):
             step.ranks[rank] = operations(line["ops"], layer_region, scale)

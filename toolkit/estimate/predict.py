@@ -9,10 +9,13 @@ A step's time is its slowest rank's, each operation priced by `device.seconds`. 
 - a step with prefill tokens: the counted single prefills, linear in the step's tokens between the counted lengths
   (and beyond the longest, along its last segment), its decodes counted as prefill tokens (one forward runs them
   all, and the served MoE and GatedDeltaNet paths take their multi-token branch for it).
-A decode's context adds what the target measured of a decode against its context, from the context the census decoded
-at (the calibration's `decode_context`: not counted, and the same for every variant). Not modelled: a prefill
-chunk's depth in its prompt (its prefix attention), host work outside the step (the scheduler, the front end,
-streaming), and the variance of routing (each counted step routes its own random tokens).
+What a step's contexts add is counted at the contexts the census ran (`count.contexts_for`: each power of two the
+workload's longest sequence passes and just below it), linear between them: a prefill chunk's depth by its counted
+chunk's extra time per token over a cold chunk (its prefix attention), times the chunk's tokens; a decode's context
+by one sequence's counted decode there over its decode at the short context, unless the calibration has the target's
+measured decode against context (`decode_context`), which then prices it (the same for every variant). Not
+modelled: host work outside the step (the scheduler, the front end, streaming), and the variance of routing (each
+counted step routes its own random tokens).
 
 Prompt lengths come from the workload's text at CHARS_PER_TOKEN, unless given: a workload's token counts are the
 served tokenizer's, which this machine does not have.
@@ -64,12 +67,16 @@ def _line(points: list[tuple[float, float]], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-Shape = tuple[str, int]  # ("decode", sequences) or ("prefill", tokens)
+Shape = tuple[str, int]  # ("decode", sequences), ("prefill", tokens), or a counted context's ("chunk"|"context", depth)
 
 
 def shape_of(step: CountedStep) -> Shape | None:
-    """The shape a counted step prices: a decode of b sequences, or one prefill alone (a batch's joint prefill is
-    not used)."""
+    """The shape a counted step prices: a decode of b sequences, one prefill alone (a batch's joint prefill is not
+    used), or at a counted context its chunk or one of its decodes."""
+    if step.depth:
+        if step.prefills and not step.decodes:
+            return ("chunk", step.depth)
+        return ("context", step.depth) if len(step.decodes) == 1 and not step.prefills else None
     if step.decodes and not step.prefills:
         return ("decode", len(step.decodes))
     if len(step.prefills) == 1 and not step.decodes:
@@ -84,10 +91,15 @@ class StepCost:
     def __init__(self, counted: Counted, device: Device, calibration: Calibration) -> None:
         self.device, self.calibration = device, calibration
         cheapest: dict[Shape, dict[int, tuple[float, list[Op]]]] = {}
+        where: dict[Shape, int] = {}  # a counted context's decode context, or its chunk's tokens
         for step in counted.steps:
             shape = shape_of(step)
             if shape is None:
                 continue
+            if shape[0] == "context":
+                where[shape] = min(where.get(shape, step.decodes[0]), step.decodes[0])
+            elif shape[0] == "chunk":
+                where[shape] = step.prefills[0]
             for rank, ops in step.ranks.items():
                 priced = sum(seconds(op, device, calibration) for op in ops)
                 best = cheapest.setdefault(shape, {})
@@ -96,32 +108,57 @@ class StepCost:
         self.ops = {shape: ranks[min(ranks)][1] for shape, ranks in sorted(cheapest.items())}  # rank 0's
         points = {shape: max(priced for priced, _ in ranks.values()) for shape, ranks in sorted(cheapest.items())}
         self.decode_points = [(float(n), t) for (kind, n), t in points.items() if kind == "decode"]
-        # the context the census decoded at: a measured decode's time against its context is added from there
-        contexts = [c for step in counted.steps if step.decodes and not step.prefills for c in step.decodes]
+        # the context the census decoded its batches at: what a longer context adds is counted, or measured, from it
+        contexts = [c for step in counted.steps if step.decodes and not step.prefills and not step.depth
+                    for c in step.decodes]
         self.counted_context = float(min(contexts)) if contexts else 0.0
         self.prefill_points = [(float(n), t) for (kind, n), t in points.items() if kind == "prefill"]
         if not self.decode_points or not self.prefill_points:
             raise ToolkitError(f"the census in {counted.folder} counted no decode step or no single prefill: nothing "
                                "to price a step from", hint="its steps.json and census.log say what ran")
+        # what a counted context adds: to one sequence's decode, and to a chunk per token of it (its prefix attention)
+        one = self._decode(1)
+        self.context_points = sorted((float(where[s]), t - one) for s, t in points.items() if s[0] == "context")
+        self.depth_points = sorted((float(s[1]), (t - max(_line(self.prefill_points, where[s]), 0.0)) / where[s])
+                                   for s, t in points.items() if s[0] == "chunk")
 
     def __call__(self, step: Step) -> float:
         return self.counted(step) + self.context(step)
 
+    def _decode(self, sequences: int) -> float:
+        if len(self.decode_points) == 1:  # one counted batch size: a decode reads the same weights for more
+            return self.decode_points[0][1]
+        return max(_line(self.decode_points, sequences), 0.0)
+
     def counted(self, step: Step) -> float:
-        """The step's time from the counted shapes (at the census's short contexts)."""
+        """The step's time from the counted shapes at the census's short contexts."""
         if not step.prefills:
-            if len(self.decode_points) == 1:  # one counted batch size: a decode reads the same weights for more
-                return self.decode_points[0][1]
-            return max(_line(self.decode_points, len(step.decodes)), 0.0)
+            return self._decode(len(step.decodes))
         return max(_line(self.prefill_points, step.tokens), 0.0)
 
     def context(self, step: Step) -> float:
-        """What its decodes' contexts add, by the calibration's measured decode against context (nothing without
-        one); a prefill chunk's depth adds nothing (not modelled)."""
+        """What its contexts add: each decode's, by the calibration's measured decode against context where it has
+        one (the target's own figures; the count's are checked against them in benchmarks/estimate.py), else by the
+        counted contexts; each prefill chunk's depth by the counted chunks (their extra per token, times its
+        tokens). Nothing where the census counted no context."""
         measured = self.calibration.decode_context
-        if measured is None:
-            return 0.0
-        return sum(measured.extra(c, self.counted_context) for c in step.decodes)
+        if measured is not None:
+            extra = sum(measured.extra(c, self.counted_context) for c in step.decodes)
+        elif self.context_points:
+            line = [(self.counted_context, 0.0), *self.context_points]
+            extra = sum(max(_line(line, c), 0.0) for c in step.decodes)
+        else:
+            extra = 0.0
+        if self.depth_points:
+            line = [(0.0, 0.0), *self.depth_points]
+            extra += sum(max(_line(line, chunk.context), 0.0) * chunk.tokens for chunk in step.prefills)
+        return extra
+
+    def decode_at(self, context: float) -> float:
+        """One sequence's decode step at `context` as counted (the measured curve left out): what the count says."""
+        if not self.context_points:
+            return self._decode(1)
+        return self._decode(1) + max(_line([(self.counted_context, 0.0), *self.context_points], context), 0.0)
 
 
 def prompt_tokens(text: str) -> int:

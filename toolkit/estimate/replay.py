@@ -99,6 +99,22 @@ def cached(prompts: Sequence[int], window: int = THREAD_WINDOW) -> list[int]:
     return hits
 
 
+def _answer(prompt: int, output: int, limit: int | None, served: Served) -> int | None:
+    """The tokens a request is answered with as the variant serves it, or None where vLLM refuses it."""
+    room = served.max_model_len - prompt
+    if room < 1 or (limit is not None and limit > room and not served.cuts_completion_limit):
+        return None
+    return max(min(output, room, limit or output), 1)
+
+
+def longest(rows: Sequence[Recorded], served: Served) -> int:
+    """The longest sequence (prompt and answer) of a request the variant serves: the deepest context it runs."""
+    shapes, _ = filled(rows)
+    served_lengths = [prompt + answer for prompt, output, limit in shapes
+                      if (answer := _answer(prompt, output, limit, served)) is not None]
+    return max(served_lengths, default=0)
+
+
 def predict(rows: Sequence[Recorded], served: Served, limits: Limits, cost: Callable[[Step], float],
             budget_s: float = BUDGET_S) -> ReplayPrediction:
     shapes, said = filled(rows)
@@ -107,8 +123,8 @@ def predict(rows: Sequence[Recorded], served: Served, limits: Limits, cost: Call
     runnable: list[tuple[int, Request]] = []
     refused = 0
     for row, (prompt, output, limit), hit in zip(rows, shapes, hits, strict=True):
-        room = served.max_model_len - prompt
-        if room < 1 or (limit is not None and limit > room and not served.cuts_completion_limit):
+        answer = _answer(prompt, output, limit, served)
+        if answer is None:
             refused += 1
             asked = prompt + (limit or 0)
             records[row.index] = RequestRecord(row.request_id or f"r{row.index}", "replay", row.index, 0, 0.0,
@@ -116,8 +132,7 @@ def predict(rows: Sequence[Recorded], served: Served, limits: Limits, cost: Call
                                                message=f"{asked} tokens asked of a {served.max_model_len}-token "
                                                "context")
             continue
-        answer = min(output, room, limit or output)
-        runnable.append((row.index, Request(prompt, max(answer, 1), min(hit, prompt), f"r{row.index}", 0)))
+        runnable.append((row.index, Request(prompt, answer, min(hit, prompt), f"r{row.index}", 0)))
     timeline = simulate([[request for _, request in runnable]], limits, cost)
     finished = cut = dispatched = 0
     ends = [0.0]  # when each runnable request ends: a refused one is sent at the end of the one before it
