@@ -192,7 +192,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     """What the platform would measure of each variant, predicted on this CPU before a platform cycle: the
     variant's own engine runs on the patched tree (the rehearsal's stand-ins and shims) with the model at its real
     widths and one full-attention interval of layers (dummy weights), while a census counts every operation each
-    step dispatches on each rank (shapes, dtype, FLOPs, bytes, the probe region it runs in). A device model prices
+    step dispatches on each rank (shapes, dtype, FLOPs, bytes, the probe region it runs in), at short contexts and
+    at contexts up to the workload's longest sequence (a chunk deep in a prompt, a decode there). A device model prices
     them on the recipe's hardware (bandwidth, peak, link) with constants fitted on the target's measurements (the
     calibration file estimate.calibration names), and vLLM 0.6.3's scheduler is simulated step by step on the
     workload: TTFT P90, Output TPS P10/P50, aggregate TPS and the official score, with the range the calibration
