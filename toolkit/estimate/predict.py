@@ -144,21 +144,22 @@ class StepCost:
         measured = self.calibration.decode_context
         if measured is not None:
             extra = sum(measured.extra(c, self.counted_context) for c in step.decodes)
-        elif self.context_points:
-            line = [(self.counted_context, 0.0), *self.context_points]
-            extra = sum(max(_line(line, c), 0.0) for c in step.decodes)
         else:
-            extra = 0.0
+            extra = sum(self._counted_context(c) for c in step.decodes)
         if self.depth_points:
             line = [(0.0, 0.0), *self.depth_points]
             extra += sum(max(_line(line, chunk.context), 0.0) * chunk.tokens for chunk in step.prefills)
         return extra
 
+    def _counted_context(self, context: float) -> float:
+        """What one sequence's decode at `context` adds over the short context, by the counted contexts."""
+        if not self.context_points:
+            return 0.0
+        return max(_line([(self.counted_context, 0.0), *self.context_points], context), 0.0)
+
     def decode_at(self, context: float) -> float:
         """One sequence's decode step at `context` as counted (the measured curve left out): what the count says."""
-        if not self.context_points:
-            return self._decode(1)
-        return self._decode(1) + max(_line([(self.counted_context, 0.0), *self.context_points], context), 0.0)
+        return self._decode(1) + self._counted_context(context)
 
 
 def prompt_tokens(text: str) -> int:
