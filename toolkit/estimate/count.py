@@ -189,7 +189,6 @@ def count(run_config: str, env: dict[str, str], python: Path, model: Path, tp: i
     plan_file.write_text(json.dumps({"args": args, "prefills": list(plan.prefills), "batches": list(plan.batches),
                                      "decode_prompt": plan.decode_prompt, "decode_steps": plan.decode_steps,
                                      "contexts": list(plan.contexts), "chunk": plan.chunk,
-                                     "budget": plan.batched_tokens,
                                      "vocab": int(config.get("text_config", config)["vocab_size"]),
                                      "labels": str(labels_file)}), encoding="utf-8")
     # on a CPU every operation has ended when it returns: the census run's own region times are attributed as a
