@@ -284,9 +284,10 @@ def estimate(request: EstimateRequest) -> Report:
     recipes = _variant_recipes(loaded, request, dropped, not_accepted)
     rundir = _rundir(request)
     started = time.monotonic()
+    served: dict[str, Any] = {}
     if recorded:  # the deepest context each variant serves of the replay (a refused request runs nothing)
-        longest = {name: replay.longest(recorded, _served(loaded, variant_recipe, name))
-                   for name, (variant_recipe, _) in recipes.items()}
+        served = {name: _served(loaded, variant_recipe, name) for name, (variant_recipe, _) in recipes.items()}
+        longest = {name: replay.longest(recorded, served[name]) for name in recipes}
     else:
         deepest = max(r.prompt_tokens + r.max_tokens for client in predict.requests(conversations, 1, max_tokens)
                       for r in client)
@@ -306,7 +307,7 @@ def estimate(request: EstimateRequest) -> Report:
                      "bytes": v["bytes"]} for r, v in sorted(own.items())}
         runs = []
         if recorded:
-            replayed = replay.predict(recorded, _served(loaded, variant_recipe, name),
+            replayed = replay.predict(recorded, served[name],
                                       _limits(loaded, variant_recipe, name), cost)
             data[name] = {"replay": replayed.as_json()}
             runs.append(data[name]["replay"])  # what the ranking reads
