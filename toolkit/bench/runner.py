@@ -45,12 +45,13 @@ def server_counters(url: str) -> dict[str, float] | None:
 
 def server_info(url: str) -> dict[str, Any]:
     info: dict[str, Any] = {}
-    for route in ("/version", "/v1/models"):
-        try:
-            response = httpx.get(url.rstrip("/") + route, timeout=10)
-            info[route] = response.json() if response.status_code == 200 else f"HTTP {response.status_code}"
-        except (httpx.HTTPError, ValueError) as exc:
-            info[route] = f"unavailable ({type(exc).__name__})"
+    with httpx.Client(timeout=10) as client:
+        for route in ("/version", "/v1/models"):
+            try:
+                response = client.get(url.rstrip("/") + route)
+                info[route] = response.json() if response.status_code == 200 else f"HTTP {response.status_code}"
+            except (httpx.HTTPError, ValueError) as exc:
+                info[route] = f"unavailable ({type(exc).__name__})"
     return info
 
 

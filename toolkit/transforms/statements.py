@@ -40,6 +40,11 @@ class Statements(ModuleEdit):
         return self
 
 
+# libcst nodes are immutable, compared and hashed by identity, and a rewrite keeps every node it does not touch: a
+# statement's form is computed once, not once per transform of its file and again after each rewrite (a scope's
+# whole classes were printed and parsed again for every statement transform of a module). The cache holds its
+# nodes, so an identity is never reused while its entry lives.
+@functools.lru_cache(maxsize=4096)  # about two flagship plans' statements
 def _key(statement: cst.BaseStatement) -> str:
     """A formatting-independent form of one statement (`a; b` on one line is one statement here)."""
     code = cst.Module(body=[statement]).code  # type: ignore[list-item]
