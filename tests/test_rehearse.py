@@ -276,7 +276,11 @@ def test_the_second_model_rehearses_with_every_check_ok(tmp_path: Path) -> None:
     hermes parser streams arguments that parse only with layers/vllm063-openai.yaml (before: short, tools,
     multi-system, prefix-cache and cache-hits failed on "no prompt_tokens_details.cached_tokens", parsers on every
     streamed call)."""
-    report = rehearse_cmd(RehearseRequest(REPO / "recipes/bi100-qwen25.yaml", Inputs(), output=tmp_path / "run"))
+    # at TP 1: its subject is the front end, which the TP size does not change; the second model at TP 2 is the
+    # generation harness's (test_generate.py: the vendor's engine at TP 2 against a recompute), a TP 2 server the
+    # flagship's rehearsal
+    report = rehearse_cmd(RehearseRequest(REPO / "recipes/bi100-qwen25.yaml", Inputs(), tp=1,
+                                          output=tmp_path / "run"))
     checks = _checks(report)
     assert set(checks) == {"start", "short", "tools", "multi-system", "parsers", "profile", "kernels", "weights",
                            "cache-hits", "prefix-cache", "answers", "completion-limit", "tool-call-index",
