@@ -52,17 +52,17 @@ RANK = textwrap.dedent('''
             results.append(got.shape == expected.shape
                            and torch.equal(got.contiguous().view(bits), expected.view(bits)))
     print(json.dumps({"rank": rank, "same": results, "paired": len(paired)}))
-    # rank 0 holds the rendezvous store: it goes last, once rank 1 has let go of the group (a rank 1 whose store
-    # went away under its teardown aborted, "terminate called without an active exception", 1 run in ~10 on a
-    # loaded machine)
+    # rank 0 holds the rendezvous store: it goes last, once rank 1's process has ended, interpreter teardown and all
+    # (a rank 1 whose store went away under its teardown aborted, "terminate called without an active exception":
+    # 1 run in ~10 on a loaded machine while rank 0 waited only for rank 1's destroy_process_group; the test, which
+    # sees rank 1 end, writes the file)
     dist.barrier()
-    done = pathlib.Path(sys.argv[4])
     if rank == 1:
         dist.destroy_process_group()
-        done.touch()
     else:
+        ended = pathlib.Path(sys.argv[4])
         deadline = time.monotonic() + 120
-        while not done.exists() and time.monotonic() < deadline:
+        while not ended.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         dist.destroy_process_group()
 ''')
@@ -75,13 +75,15 @@ def _ranks(tmp_path: Path, unmappable: str) -> list[dict[str, Any]]:
     segments = tmp_path / "segments"
     segments.mkdir()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(segments), unmappable,
-                               str(tmp_path / "rank-1-done")],
+    ended = tmp_path / "rank-1-ended"
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(segments), unmappable, str(ended)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
-    outs = [rank.communicate(timeout=300) for rank in ranks]
-    for rank, (_, err) in zip(ranks, outs, strict=True):
-        assert rank.returncode == 0, err[-3000:]
-        assert err.strip() == "", err[-3000:]
+    last = ranks[1].communicate(timeout=300)
+    ended.touch()
+    outs = [ranks[0].communicate(timeout=300), last]
+    for number, (rank, (_, err)) in enumerate(zip(ranks, outs, strict=True)):
+        assert rank.returncode == 0, f"rank {number}: {err[-3000:]}"
+        assert err.strip() == "", f"rank {number}: {err[-3000:]}"
     assert list(segments.iterdir()) == [], "the segment's name was unlinked once both ranks held it"
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     for report in reports:
