@@ -265,10 +265,50 @@ def test_the_flagship_rehearsal_passes_every_check_at_tp2(flagship_rehearsal: An
     log = Path(variant["logs"][0]).read_text(encoding="utf-8", errors="replace")
     assert "VllmWorkerProcess" in log  # the second rank ran in its own process
     # every server stopped as cleanly as it served: no traceback in any log (the CPU runtime's shared-memory
-    # all-reduce once left two at every TP 2 server's stop, and two "Exception ignored")
-    assert not {name: text.count("Traceback") for name, text in argv.items()
+    # all-reduce once left two at every TP 2 server's stop, and two "Exception ignored"), but vLLM 0.6.3's own race
+    # at a TP server's stop, where it has already stopped serving
+    cleaned = {name: _without_the_vendors_stop_race(text) for name, text in argv.items()}
+    assert not {name: text.count("Traceback") for name, text in cleaned.items()
                 if "Traceback" in text or "Exception ignored" in text}
     assert stray_processes() == [], "every server's group (engine process, TP worker) was stopped"
+
+
+# vLLM 0.6.3's result handler thread reads the TP workers' queue while the executor's shutdown closes it
+# (vllm/executor/multiproc_worker_utils.py): now and then, on a loaded machine, a TypeError from inside the queue's
+# read, after "Terminating local vLLM worker processes". Seen once in a fresh-clone CI run, in a comparison server's
+# log; the vendor's code, not the toolkit's, and after the server has answered everything.
+_VENDOR_STOP_RACE = re.compile(
+    r"Exception in thread [^\n]*:\nTraceback \(most recent call last\):\n(?:  [^\n]*\n)*?"
+    r"  File \"[^\"]*/vllm/executor/multiproc_worker_utils\.py\", line \d+, in run\n"
+    r"    for result in iter\(self\.result_queue\.get, _TERMINATE\):\n(?:  [^\n]*\n)*?"
+    r"TypeError: 'NoneType' object cannot be interpreted as an integer\n")
+_STOPPING = "Terminating local vLLM worker processes"
+
+
+def _without_the_vendors_stop_race(log: str) -> str:
+    """A server log without that race's traceback, where it comes after the executor's shutdown began."""
+    serving, stopping, stopped = log.partition(_STOPPING)
+    return serving + stopping + _VENDOR_STOP_RACE.sub("", stopped)
+
+
+def test_a_server_logs_tracebacks_are_kept_but_the_vendors_stop_race() -> None:
+    """The race is left out only after the shutdown began and only as vLLM's result handler raises it; any other
+    traceback stays (the log is the one a fresh-clone CI run showed)."""
+    race = (
+        "Exception in thread Thread-1:\nTraceback (most recent call last):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 1045, in _bootstrap_inner\n    self.run()\n'
+        '  File "/tmp/tree/vendor/vllm/executor/multiproc_worker_utils.py", line 81, in run\n'
+        "    for result in iter(self.result_queue.get, _TERMINATE):\n"
+        '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 103, in get\n    res = self._recv_bytes()\n'
+        "          ^^^^^^^^^^^^^^^^^^\n"
+        "TypeError: 'NoneType' object cannot be interpreted as an integer\n")
+    stop = f"INFO 12-07 11:04:35 multiproc_worker_utils.py:134] {_STOPPING}\n"
+    assert "Traceback" not in _without_the_vendors_stop_race("serving\n" + stop + race + "warnings\n")
+    assert "Traceback" in _without_the_vendors_stop_race("serving\n" + race + stop)  # while serving: kept
+    other = race.replace("TypeError: 'NoneType'", "KeyError: 'NoneType'")
+    assert "Traceback" in _without_the_vendors_stop_race(stop + other)
+    assert "Traceback" in _without_the_vendors_stop_race(stop + race + 'Traceback (most recent call last):\n'
+                                                         '  File "x.py", line 1\nKeyError: 1\n')
 
 
 def test_the_second_model_rehearses_with_every_check_ok(tmp_path: Path) -> None:
