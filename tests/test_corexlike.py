@@ -307,3 +307,51 @@ def test_the_fixture_ends_files_as_the_image_does(corex_template: Path) -> None:
         # and the others still end with one (CRLF, as every line)
         for rel in ("vllm/__init__.py", "vllm/attention/ops/paged_attn.py", "vllm/distributed/parallel_state.py"):
             assert (root / rel).read_bytes().endswith(b"\r\n"), rel
+
+
+def test_a_files_imports_are_found_wherever_a_statement_can_hold_one() -> None:
+    """`vendor compare` reads a vendor library from any import statement, however deep: the ixformer imports of the
+    real image sit in try blocks and functions (DESIGN.md section 3)."""
+    from toolkit.compare import _top_imports
+
+    source = b'''
+import a.sub, b as bee
+from c.d import e
+from . import relative
+from .local import thing
+def f():
+    import in_function
+    class K:
+        from in_class import x
+try:
+    import in_try
+except ImportError:
+    import in_handler
+else:
+    import in_else
+finally:
+    import in_finally
+if x:
+    import in_if
+else:
+    import in_if_else
+while x:
+    import in_while
+for y in z:
+    import in_for
+with m:
+    import in_with
+async def g():
+    async with m:
+        import in_async_with
+    async for y in z:
+        import in_async_for
+match v:
+    case 1:
+        import in_case
+s = "import not_a_statement"
+'''
+    assert _top_imports(source) == {"a", "b", "c", "in_function", "in_class", "in_try", "in_handler", "in_else",
+                                    "in_finally", "in_if", "in_if_else", "in_while", "in_for", "in_with",
+                                    "in_async_with", "in_async_for", "in_case"}
+    assert _top_imports(b"def broken(:\n") == frozenset()
