@@ -22,6 +22,7 @@ from toolkit.recipe import LoadedRecipe
 from toolkit.results import Result, State
 from toolkit.transforms import edit_kind, file_kind
 from toolkit.transforms.base import Context, EditKind, FileKind, ModuleEdit, TransformBase
+from toolkit.transforms.cstutil import module_code
 from toolkit.transforms.deploy import Deploy, DeployKind
 from toolkit.transforms.files import FileOp, FilePlan, is_binary, sha256
 
@@ -40,11 +41,11 @@ class Step:
 
     @property
     def before(self) -> str:
-        return self.before_src if isinstance(self.before_src, str) else self.before_src.code
+        return self.before_src if isinstance(self.before_src, str) else module_code(self.before_src)
 
     @property
     def after(self) -> str:
-        return self.after_src if isinstance(self.after_src, str) else self.after_src.code
+        return self.after_src if isinstance(self.after_src, str) else module_code(self.after_src)
 
     def unified(self) -> str:
         return "".join(difflib.unified_diff(

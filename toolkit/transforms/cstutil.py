@@ -18,6 +18,15 @@ def code_of(node: cst.CSTNode) -> str:
     return _EMPTY.code_for_node(node)
 
 
+@functools.lru_cache(maxsize=512)
+def module_code(module: cst.Module) -> str:
+    """A module's source, generated once per module object: libcst nodes are immutable and hashed by identity, and
+    one file's transforms hand each other their modules (one step's after is the next one's before), so a diff or
+    an upgrade's comparison asked the same module for its code twice or more (the flagship's `toolkit diff` spent
+    most of its time there)."""
+    return module.code
+
+
 @functools.lru_cache(maxsize=4096)
 def _canonical_expr(code: str) -> str:
     # Parenthesised on their own lines so multi-line and commented expressions parse too.

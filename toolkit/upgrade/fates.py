@@ -32,7 +32,7 @@ from toolkit.recipe import Recipe
 from toolkit.results import State
 from toolkit.transforms import edit_kind
 from toolkit.transforms.base import Context, ModuleEdit, decide
-from toolkit.transforms.cstutil import qualnames, resolve_scope
+from toolkit.transforms.cstutil import module_code, qualnames, resolve_scope
 from toolkit.transforms.deploy import Deploy, as_deployed
 from toolkit.transforms.files import is_binary, sha256
 from toolkit.transforms.kernels import Kernels
@@ -434,8 +434,8 @@ def _same_ast(a: str, b: str) -> bool:
 
 def _hunk(before: cst.Module, after: cst.Module) -> list[str]:
     """The transform's own diff without line numbers: its context and its changed lines."""
-    return [ln for ln in difflib.unified_diff(before.code.splitlines(), after.code.splitlines(), n=CONTEXT_LINES,
-                                              lineterm="") if not ln.startswith(("---", "+++", "@@"))]
+    return [ln for ln in difflib.unified_diff(module_code(before).splitlines(), module_code(after).splitlines(),
+                                              n=CONTEXT_LINES, lineterm="") if not ln.startswith(("---", "+++", "@@"))]
 
 
 def _core(hunk: list[str]) -> list[str]:
@@ -471,8 +471,8 @@ def _side(hunk: list[str], sign: str) -> str:
 
 
 def _diff_text(before: cst.Module, after: cst.Module) -> str:
-    return "\n".join(difflib.unified_diff(before.code.splitlines(), after.code.splitlines(), "new commit",
-                                          "transformed", n=CONTEXT_LINES, lineterm=""))
+    return "\n".join(difflib.unified_diff(module_code(before).splitlines(), module_code(after).splitlines(),
+                                          "new commit", "transformed", n=CONTEXT_LINES, lineterm=""))
 
 
 def _size(diff: str) -> str:
