@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import flagship_data, switch_package, tree_digest
+from conftest import flagship_data, switch_package, tree_digest, yaml_text
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -64,7 +64,7 @@ def mutated_documents(draw: st.DrawFn) -> str:
                 parent[draw(st.text(min_size=1, max_size=8))] = parent.pop(path[-1])
         except (KeyError, IndexError, TypeError):
             continue  # an earlier mutation removed or replaced this path's parent
-    text = yaml.safe_dump(data, allow_unicode=True, sort_keys=False)
+    text = yaml_text(data, allow_unicode=True, sort_keys=False)
     if draw(st.booleans()):  # and raw text damage: a stray character anywhere
         at = draw(st.integers(0, len(text)))
         text = text[:at] + draw(st.sampled_from([":", "-", "\t", "'", "{", "\n  ", "&a", "*a", "!!python/name:x"])) \

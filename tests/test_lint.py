@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from conftest import FLAGSHIP, REPO, flagship_data, flagship_origin
+from conftest import FLAGSHIP, REPO, flagship_data, flagship_origin, yaml_text
 
 from toolkit.errors import RecipeError
 from toolkit.lint import RULES, lint
@@ -31,7 +30,7 @@ def write(tmp_path: Path, mutate: Callable[[dict[str, Any]], None], name: str = 
     data["patches"] = str(REPO / "patches" / "src")
     mutate(data)
     path = tmp_path / name
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    path.write_text(yaml_text(data, sort_keys=False))
     return path
 
 
