@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,15 +18,15 @@ from packaging.version import Version
 from toolkit.bench import experiment
 from toolkit.bench.serve import Server, free_port, port_in_use
 from toolkit.errors import ToolkitError
-from toolkit.inputs import cache_dir, remember
+from toolkit.inputs import cache_dir
 from toolkit.lint.context import (
     AUTO_CHUNKED_ABOVE,
     chunked_prefill_effective,
     explicit_chunked_prefill,
     images_per_prompt,
 )
-from toolkit.pyenv import build_key
 from toolkit.recipe import ArgValue, Recipe
+from toolkit.rehearsal import registry
 from toolkit.rehearsal.locate import locate
 from toolkit.rehearsal.model import (
     BATCH_TOKENS,
@@ -44,7 +43,7 @@ from toolkit.rehearsal.model import (
     Substitution,
 )
 from toolkit.runtime import standins
-from toolkit.runtime.preflight import Tree, emulated_devices, tree_digest
+from toolkit.runtime.preflight import Tree, emulated_devices
 
 Say = Callable[[str], None]
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # passed through from the caller
@@ -87,9 +86,6 @@ TP1 = Substitution("--tensor-parallel-size (the answers' reference server)", "th
 PATHS_OFF = Substitution("fast paths (the answers' fast-paths-off server)", "as the run config switches them",
                          "off, at TP 1", "the answers must equal the adapter's own code's: a fast path that is wrong "
                          "alike in prefill and decode, at every TP, changes them")
-# what vLLM 0.6.3's registry says of the architectures given (the model module imported as the server imports it)
-MULTIMODAL_SCRIPT = ("import sys\nfrom vllm.model_executor.models import ModelRegistry\n"
-                     "print(ModelRegistry.is_multimodal_model(sys.argv[1:]))")
 # what the comparison servers of a multimodal model change beyond COMPARED
 TEXT_ONLY = Substitution("--limit-mm-per-prompt (comparison servers)", "1 image (vLLM's default)",
                          f"image=0, and --max-num-batched-tokens {BATCH_TOKENS}",
@@ -176,17 +172,18 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
 
 
 
-def _registry_key(python: Path, env: dict[str, str], config: dict[str, Any]) -> str:
-    """What the registry's answer for a checkpoint depends on: the runtime, the architectures, the environment and
-    the bytes of every folder on its PYTHONPATH (the patched tree, whatever the run config adds); the stand-ins'
-    folder by its name, which carries its content's digest. Asking costs a Python that imports vLLM (6-14 s); the
-    digest about 0.2 s, and any changed byte asks again."""
+def registry_question(python: Path, env: dict[str, str],
+                      config: dict[str, Any]) -> tuple[registry.Question, str]:
+    """The registry question of a server's environment, and the key of its remembered answers: the runtime, the
+    architectures, the environment; the folders on PYTHONPATH (the patched tree, whatever the run config adds) are
+    compared by what an answer read of them, the stand-ins' folder by its name, which carries its content's digest."""
     paths = [Path(entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     cache = cache_dir()
-    folders = [p for p in paths if p.is_dir() and not p.is_relative_to(cache)]
+    roots = [p for p in paths if p.is_dir() and not p.is_relative_to(cache)]
     settings = {k: v for k, v in env.items() if k not in ("PYTHONPATH", standins.RECORD_ENV)}
-    return build_key(str(python), config["architectures"], sorted(settings.items()), MULTIMODAL_SCRIPT,
-                     [str(p) for p in paths if p not in folders], tree_digest(folders))
+    question = registry.Question(python, list(config["architectures"]), env, roots,
+                                 [str(p) for p in paths if p not in roots])
+    return question, question.key(settings)
 
 
 @dataclass
@@ -220,19 +217,12 @@ class Stage:
                 record = self.rundir / "registry-standins" / "standins.json"
                 record.parent.mkdir(parents=True, exist_ok=True)
                 full_env, _ = server_environment(self, env, record, {}, "registry")
-                remembered = cache_dir() / "registry" / f"{_registry_key(self.python, full_env, config)}.json"
-                if remembered.is_file():
-                    self.multimodal_seen = bool(json.loads(remembered.read_text(encoding="utf-8"))["multimodal"])
-                    return self.multimodal_seen
-                proc = subprocess.run([str(self.python), "-c", MULTIMODAL_SCRIPT, *config["architectures"]],
-                                      capture_output=True, text=True, env=full_env, cwd=self.rundir,
-                                      timeout=START_TIMEOUT_S)
-                if proc.returncode != 0 or proc.stdout.strip().splitlines()[-1:] not in (["True"], ["False"]):
-                    raise ToolkitError("the tree's vLLM could not say whether it serves the checkpoint as a "
-                                       f"multimodal model:\n{locate(proc.stderr[-3000:], self.tree)}",
-                                       hint="the same import fails the server's start: rehearse --check start")
-                self.multimodal_seen = proc.stdout.strip().splitlines()[-1] == "True"
-                remember(remembered, json.dumps({"multimodal": self.multimodal_seen}))
+                question, key = registry_question(self.python, full_env, config)
+                folder = cache_dir() / "registry" / key
+                remembered = question.remembered(folder)
+                self.multimodal_seen = remembered if remembered is not None else question.ask(
+                    self.rundir, folder, START_TIMEOUT_S, "the same import fails the server's start: rehearse "
+                    "--check start", lambda text: locate(text, self.tree))
         return self.multimodal_seen
 
     def whole_files(self) -> frozenset[str]:
