@@ -26,7 +26,6 @@ from toolkit.lint.context import (
     images_per_prompt,
 )
 from toolkit.recipe import ArgValue, Recipe
-from toolkit.rehearsal import registry
 from toolkit.rehearsal.locate import locate
 from toolkit.rehearsal.model import (
     BATCH_TOKENS,
@@ -42,6 +41,7 @@ from toolkit.rehearsal.model import (
     Rehearsal,
     Substitution,
 )
+from toolkit.rehearsal.registry import Question
 from toolkit.runtime import standins
 from toolkit.runtime.preflight import Tree, emulated_devices
 
@@ -173,7 +173,7 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
 
 
 def registry_question(python: Path, env: dict[str, str],
-                      config: dict[str, Any]) -> tuple[registry.Question, str]:
+                      config: dict[str, Any]) -> tuple[Question, str]:
     """The registry question of a server's environment, and the key of its remembered answers: the runtime, the
     architectures, the environment; the folders on PYTHONPATH (the patched tree, whatever the run config adds) are
     compared by what an answer read of them, the stand-ins' folder by its name, which carries its content's digest."""
@@ -181,7 +181,7 @@ def registry_question(python: Path, env: dict[str, str],
     cache = cache_dir()
     roots = [p for p in paths if p.is_dir() and not p.is_relative_to(cache)]
     settings = {k: v for k, v in env.items() if k not in ("PYTHONPATH", standins.RECORD_ENV)}
-    question = registry.Question(python, list(config["architectures"]), env, roots,
+    question = Question(python, list(config["architectures"]), env, roots,
                                  [str(p) for p in paths if p not in roots])
     return question, question.key(settings)
 
