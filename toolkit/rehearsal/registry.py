@@ -61,8 +61,10 @@ def _digest(data: bytes) -> str:
 
 
 def _names(folder: Path) -> str | None:
+    """A folder's names, but its __pycache__: a run writes one into the tree it imports from, and the next rehearsal's
+    fresh copy has none yet (no import finds a module there)."""
     try:
-        return _digest("\0".join(sorted(os.listdir(folder))).encode())
+        return _digest("\0".join(sorted(n for n in os.listdir(folder) if n != "__pycache__")).encode())
     except OSError:
         return None
 
