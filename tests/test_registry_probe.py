@@ -6,6 +6,7 @@ folders it listed), and asked again when one of them changes, not when a file it
 from __future__ import annotations
 
 import json
+import shutil
 import uuid
 from pathlib import Path
 
@@ -54,8 +55,14 @@ def test_the_registrys_answer_is_remembered_until_a_file_it_read_changes(tmp_pat
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"architectures": ["ChameleonForConditionalGeneration"],
                                                         "vision_config": {}}))
+    # bytecode as a run that imports from the tree writes it (whatever PYTHONDONTWRITEBYTECODE says here)
+    (tree.vendor / "vllm" / "__pycache__").mkdir(exist_ok=True)
+    (tree.vendor / "vllm" / "__pycache__" / "unused.cpython-311.pyc").write_bytes(b"")
     first = _stage(tmp_path, tree, checkpoint, "first")
     assert first.multimodal() is True and _asked(first)  # vLLM 0.6.3 registers Chameleon as multimodal
+    # the bytecode in the folders it listed is gone, as in the next rehearsal's fresh copy
+    for cache in sorted(tree.vendor.rglob("__pycache__")):
+        shutil.rmtree(cache)
     again = _stage(tmp_path, tree, checkpoint, "again")
     assert again.multimodal() is True and not _asked(again)
     records = [r for r in _records(again) if "0:vllm/model_executor/models/chameleon.py" in r["files"]]
