@@ -42,7 +42,7 @@ def _records(stage: servers.Stage) -> list[dict[str, object]]:
     _, env = experiment.server_command(stage.run_config, stage.python, stage.model, 0)
     full_env, _ = servers.server_environment(stage, env, stage.rundir / "probe.json", {}, "registry")
     config = json.loads((stage.model / "config.json").read_text())
-    _, key = servers.registry_question(stage.python, full_env, config)
+    key = servers.registry_question(stage.python, full_env, config).key
     return [json.loads(p.read_text()) for p in (cache_dir() / "registry" / key).glob("*.json")]
 
 

@@ -77,16 +77,20 @@ def _file(path: Path) -> str | None:
 
 
 def _under(path: str, roots: list[Path]) -> str | None:
-    """`path` as "INDEX:RELATIVE" under the first root holding it (not in a __pycache__: its source is the module's
-    own file, recorded as such); None outside every root."""
+    """`path` as "INDEX:RELATIVE" under the first root holding it (`roots` resolved; not in a __pycache__: its source
+    is the module's own file, recorded as such); None outside every root."""
     real = Path(os.path.realpath(path))
     for index, root in enumerate(roots):
         try:
-            rel = real.relative_to(os.path.realpath(root))
+            rel = real.relative_to(root)
         except ValueError:
             continue
         return None if "__pycache__" in rel.parts else f"{index}:{rel.as_posix()}"
     return None
+
+
+def _newest_first(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) if folder.is_dir() else []
 
 
 def _at(place: str, roots: list[Path]) -> Path:
@@ -104,16 +108,25 @@ class Question:
     env: dict[str, str]
     roots: list[Path]
     outside: list[str]  # PYTHONPATH's entries that are not roots (the stand-ins' folder: its name has its digest)
+    record_env: str  # the variable naming the stand-ins' record, left out of the key
 
-    def key(self, settings: dict[str, str]) -> str:
+    @property
+    def key(self) -> str:
+        """What the answers remembered for it share: everything but the roots' content (the stand-ins' record path
+        changes with every run and is not read by the answer)."""
+        settings = {k: v for k, v in self.env.items() if k not in ("PYTHONPATH", self.record_env)}
         return build_key(str(self.python), self.architectures, sorted(settings.items()), QUESTION, self.outside,
                          len(self.roots))
 
+    def _digests(self, paths: list[str], digest: Callable[[Path], str | None]) -> dict[str, str]:
+        """Each path under a root, by place, with its digest now (gone ones left out)."""
+        resolved = [Path(os.path.realpath(root)) for root in self.roots]
+        places = {p for p in (_under(path, resolved) for path in paths) if p is not None}
+        return {p: d for p in sorted(places) if (d := digest(_at(p, self.roots))) is not None}
+
     def remembered(self, folder: Path) -> bool | None:
         """The answer of a record in `folder` whose files and folders are as they were, or None."""
-        records = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True) \
-            if folder.is_dir() else []
-        for path in records:
+        for path in _newest_first(folder):
             try:
                 record = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError):
@@ -137,16 +150,13 @@ class Question:
         seen = json.loads(read.removeprefix("READ "))
         if seen is None:
             return answer == "True"
-        files = {p: d for p in {_under(f, self.roots) for f in seen["files"]} if p is not None
-                 and (d := _file(_at(p, self.roots))) is not None}
-        folders = {p: d for p in {_under(f, self.roots) for f in seen["folders"]} if p is not None
-                   and (d := _names(_at(p, self.roots))) is not None}
+        files = self._digests(seen["files"], _file)
+        folders = self._digests(seen["folders"], _names)
         if not files:  # the tree's vLLM was not read from the roots: nothing says which tree the answer holds for
             return answer == "True"
-        record = {"multimodal": answer == "True", "files": dict(sorted(files.items())),
-                  "folders": dict(sorted(folders.items()))}
+        record = {"multimodal": answer == "True", "files": files, "folders": folders}
         text = json.dumps(record, indent=1)
         remember(folder / f"{_digest(text.encode())[:16]}.json", text)
-        for old in sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)[RECORDS_KEPT:]:
+        for old in _newest_first(folder)[RECORDS_KEPT:]:
             old.unlink(missing_ok=True)  # records this cache wrote; the oldest go
         return answer == "True"

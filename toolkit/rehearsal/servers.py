@@ -172,18 +172,15 @@ def server_command(run_config: str, python: Path, model: Path, port: int, tp: in
 
 
 
-def registry_question(python: Path, env: dict[str, str],
-                      config: dict[str, Any]) -> tuple[Question, str]:
-    """The registry question of a server's environment, and the key of its remembered answers: the runtime, the
-    architectures, the environment; the folders on PYTHONPATH (the patched tree, whatever the run config adds) are
-    compared by what an answer read of them, the stand-ins' folder by its name, which carries its content's digest."""
+def registry_question(python: Path, env: dict[str, str], config: dict[str, Any]) -> Question:
+    """The registry question of a server's environment: the runtime, the architectures, the environment; the folders
+    on PYTHONPATH (the patched tree, whatever the run config adds) are compared by what an answer read of them, the
+    stand-ins' folder by its name, which carries its content's digest."""
     paths = [Path(entry) for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     cache = cache_dir()
     roots = [p for p in paths if p.is_dir() and not p.is_relative_to(cache)]
-    settings = {k: v for k, v in env.items() if k not in ("PYTHONPATH", standins.RECORD_ENV)}
-    question = Question(python, list(config["architectures"]), env, roots,
-                                 [str(p) for p in paths if p not in roots])
-    return question, question.key(settings)
+    return Question(python, list(config["architectures"]), env, roots, [str(p) for p in paths if p not in roots],
+                    standins.RECORD_ENV)
 
 
 @dataclass
@@ -217,8 +214,8 @@ class Stage:
                 record = self.rundir / "registry-standins" / "standins.json"
                 record.parent.mkdir(parents=True, exist_ok=True)
                 full_env, _ = server_environment(self, env, record, {}, "registry")
-                question, key = registry_question(self.python, full_env, config)
-                folder = cache_dir() / "registry" / key
+                question = registry_question(self.python, full_env, config)
+                folder = cache_dir() / "registry" / question.key
                 remembered = question.remembered(folder)
                 self.multimodal_seen = remembered if remembered is not None else question.ask(
                     self.rundir, folder, START_TIMEOUT_S, "the same import fails the server's start: rehearse "
