@@ -26,9 +26,15 @@ SUBDIR = "qwen3_6_scripts"
 # the adapter's newest public commit (196 after the pin: the upgrade and kernel issues' input), as shared/ has it
 NEWEST = "2f7d5f5720863570d23d989ef8bbc7a387c606d4"
 NEWEST_FILES = REPO.parent / "shared" / "qwen36-adapter-2f7d5f5"
-HOW_TO_GET = (f"the adapter's files at 5a1c8c7 belong in {PINNED} (the workplace's shared/ folder beside this "
-              f"checkout); elsewhere: git clone https://github.com/wudixzy/competition && git -C competition "
-              f"checkout {PIN}, then copy its {SUBDIR}/ and BLOBS.txt there")
+COMMITS = {PINNED: PIN, NEWEST_FILES: NEWEST}
+
+
+def how_to_get(folder: Path) -> str:
+    """Where a copy of the adapter's files belongs and how to make one (the commit the folder is named for)."""
+    commit = COMMITS.get(folder, folder.name.rpartition("-")[2])
+    return (f"the adapter's files at {commit[:7]} belong in {folder} (the workplace's shared/ folder beside this "
+            f"checkout); elsewhere: git clone https://github.com/wudixzy/competition && git -C competition "
+            f"checkout {commit}, then copy its {SUBDIR}/ and BLOBS.txt there")
 
 
 class PinMismatch(Exception):
@@ -45,7 +51,7 @@ def check_copy(folder: Path = PINNED) -> dict[str, str]:
     file missing or changed. A line is `BLOB SHA256 PATH` (the pin's listing) or `BLOB PATH` (the newest's)."""
     listing = folder / "BLOBS.txt"
     if not listing.is_file():
-        raise PinMismatch(f"no {listing}: {HOW_TO_GET}")
+        raise PinMismatch(f"no {listing}: {how_to_get(folder)}")
     blobs: dict[str, str] = {}
     for number, line in enumerate(listing.read_text().splitlines(), 1):
         if not line.strip():
@@ -58,11 +64,11 @@ def check_copy(folder: Path = PINNED) -> dict[str, str]:
             (blob, rel), sha256 = line.split(maxsplit=1), None
         path = folder / rel
         if not path.is_file():
-            raise PinMismatch(f"{path} is missing ({listing}:{number} lists it): {HOW_TO_GET}")
+            raise PinMismatch(f"{path} is missing ({listing}:{number} lists it): {how_to_get(folder)}")
         data = path.read_bytes()
         if git_blob_id(data) != blob or sha256 not in (None, hashlib.sha256(data).hexdigest()):
             raise PinMismatch(f"{path} is not the pin's file: its git blob id is {git_blob_id(data)}, "
-                              f"{listing}:{number} says {blob}: {HOW_TO_GET}")
+                              f"{listing}:{number} says {blob}: {how_to_get(folder)}")
         blobs[rel] = blob
     return blobs
 
