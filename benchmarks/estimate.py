@@ -22,6 +22,11 @@ decide it; the other two are predictions) and against the count alone (the conte
 kernels and IPC on, counted at contexts up to 235,064 tokens), and DS18's cold prefills (TTFT P50 at 4,096, 7,800 and
 16,000 tokens) against the count's chunks at their depth.
 
+Beside section 4's pairs it prints two checks of the model itself: the change each pair's changed operations account
+for by section 4's own device timings of them (the bound any device-only model meets), and each kernel pair's saving
+split into the launches and bytes the census counts it removing, with a launch's cost and a rate decided by two pairs
+(DECIDING) and the others predicted.
+
 Without --source the adapter's files at the pin are committed into a temporary repository, as benchmarks/rehearse.py
 does. Seven censuses at TP 4, one of them at contexts: about 25 minutes on 2 cores.
 """
@@ -101,6 +106,17 @@ SECTION4 = (
      14.8843, 21.6563),
 )
 ITL_IPC = (117.13, 76.29)  # ms, ITL P50 before and after IPC (the means of the three runs)
+# section 4's "Per operation" figures for the kernel switches: one layer's path before and after, device-timed on the
+# target (ms), with the kernel's entry point the census names and how many calls of it one layer makes (the head
+# norm's figure read as the layer's, q and k: "q/k head RMSNorm"); the all-reduce's are the calibration's, decided by
+# the same section's calls
+PER_LAYER = {
+    "BI100_ATTN_COREX_HEAD_RMS_NORM=1": (("corex_attn_head_rms_norm.prepare", 2, 0.14582, 0.07525),),
+    "BI100_MOE_COREX_DIRECT_ROUTED=0 -> 1": (("corex_moe_direct_routed.w13", 1, 0.325, 0.107),),
+    "BI100_GDN_COREX_PACKED_DECODE=0 -> 1": (("corex_gdn_packed_decode.packed_decode", 1, 0.173, 0.037),),
+}
+PER_LAYER["both kernel switches off -> on"] = (PER_LAYER["BI100_MOE_COREX_DIRECT_ROUTED=0 -> 1"]
+                                              + PER_LAYER["BI100_GDN_COREX_PACKED_DECODE=0 -> 1"])
 CONTEXT_ROW = ((32_768, 10.188), (65_536, 7.024), (131_072, 5.120), (235_000, 3.698))
 COLD_PREFILL = ((4096, 6.968), (7800, 9.784), (16000, 22.159))  # DS18's cold TTFT P50, s
 
@@ -124,16 +140,81 @@ def _itl_p50_ms(prediction: predict.Prediction) -> float:
     return gaps[len(gaps) // 2] * 1e3
 
 
+def _device_timed(change: str, before: predict.StepCost, after: predict.StepCost, calibration: Any,
+                  measured_before: float) -> dict[str, Any]:
+    """The change the target's own device timings of the changed operations account for: the measured step before
+    less, per decode step of one sequence, each changed operation's calls (as the census counts them) times its
+    device-timed saving. Not a prediction of the model: the bound any device-only model meets, however exact."""
+    if change in PER_LAYER:
+        ops = after.ops[("decode", 1)]
+        parts = []
+        for entry, per_layer, was_ms, is_ms in PER_LAYER[change]:
+            layers = sum(op.calls for op in ops if op.name.endswith(entry)) / per_layer
+            parts.append((f"layers calling {entry}", layers, was_ms - is_ms))
+    else:  # the all-reduce: every collective of the step, NCCL's call against IPC's at its buffer
+        nccl, ipc = calibration.reduce("nccl"), calibration.reduce("ixformer-ipc")
+        reduces = [op for op in before.ops[("decode", 1)] if op.collective]
+        calls = sum(op.calls for op in reduces)
+        saving = sum(op.calls * (nccl.latency_us - ipc.latency_us) * 1e-3
+                     + op.bytes * 1.5 * (1 / nccl.gbs - 1 / ipc.gbs) * 1e-6 for op in reduces)
+        parts = [("all-reduces", calls, saving / calls)]
+    step_ms = 1e3 / measured_before
+    saved_ms = sum(layers * each for _, layers, each in parts)
+    return {"counted": {what: n for what, n, _ in parts}, "saved_ms": saved_ms,
+            "change": step_ms / (step_ms - saved_ms) - 1}
+
+
+# the two kernel pairs that decide the decomposition's constants below (a change of launches alone, and one mostly of
+# bytes); the other kernel pairs are its predictions
+DECIDING = ("BI100_ATTN_COREX_HEAD_RMS_NORM=1", "BI100_MOE_COREX_DIRECT_ROUTED=0 -> 1")
+
+
+def _launches_and_bytes(cost: predict.StepCost) -> tuple[float, float]:
+    """A counted decode step of one sequence: its launches and the bytes they move, all-reduces left out."""
+    ops = [op for op in cost.ops[("decode", 1)] if not op.collective]
+    return sum(op.calls for op in ops), sum(op.bytes for op in ops)
+
+
+def _decomposed(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each kernel pair's measured saving a step as the launches it removes times a cost per launch, plus the bytes it
+    removes over a rate, both constants of the served (unprofiled) step decided by the DECIDING pairs alone, as the
+    census counts their launches and bytes; the other kernel pairs predicted with them. What a model whose step is
+    its launches and its bytes would need, and how far it would carry."""
+    saved = {r["change"]: 1e3 / r["measured"][0] - 1e3 / r["measured"][1] for r in rows}
+    delta = {r["change"]: (r["launches"][0] - r["launches"][1], r["bytes"][0] - r["bytes"][1]) for r in rows}
+    (l1, b1), (l2, b2) = (delta[c] for c in DECIDING)
+    s1, s2 = (saved[c] for c in DECIDING)
+    det = l1 * b2 - l2 * b1
+    launch_ms, ms_per_byte = (s1 * b2 - s2 * b1) / det, (l1 * s2 - l2 * s1) / det
+    predicted = []
+    for row in rows:
+        if row["change"] not in PER_LAYER or row["change"] in DECIDING:
+            continue
+        launches, nbytes = delta[row["change"]]
+        saving = launches * launch_ms + nbytes * ms_per_byte
+        step_ms = 1e3 / row["measured"][0]
+        change = step_ms / (step_ms - saving) - 1
+        predicted.append({"change": row["change"], "launches": launches, "bytes": nbytes, "saved_ms": saving,
+                          "measured_saved_ms": saved[row["change"]], "predicted_change": change,
+                          "change_error": (change - row["measured_change"]) / row["measured_change"]})
+    return {"decided_by": list(DECIDING), "launch_us": launch_ms * 1e3,
+            "gbs": 1 / ms_per_byte / 1e6 if ms_per_byte > 0 else None, "predicted": predicted}
+
+
 def _section4(counted: dict[str, Any], loaded: Any, calibration: Any) -> list[dict[str, Any]]:
     rows = []
     for change, workload, before, after, measured_before, measured_after in SECTION4:
         predicted = []
         itl = []
+        costs = []
         for census, reduce in (before, after):
             cost = predict.StepCost(counted[census], device_of(loaded.recipe.hardware, 4, reduce), calibration)
             prediction = predict.predict(cost, SECTION4_LIMITS, _section4_clients(workload))
             predicted.append(prediction.metrics["output_tps_decode_p10"])
             itl.append(_itl_p50_ms(prediction))
+            costs.append(cost)
+        bound = _device_timed(change, costs[0], costs[1], calibration, measured_before)
+        counts = [_launches_and_bytes(cost) for cost in costs]
         measured_change = measured_after / measured_before - 1
         predicted_change = predicted[1] / predicted[0] - 1
         error = (predicted_change - measured_change) / measured_change
@@ -141,6 +222,8 @@ def _section4(counted: dict[str, Any], loaded: Any, calibration: Any) -> list[di
                      "predicted": predicted, "measured_change": measured_change,
                      "predicted_change": predicted_change, "change_error": error,
                      "direction": (predicted_change > 0) == (measured_change > 0),
+                     "device_timed": {**bound, "change_error": (bound["change"] - measured_change) / measured_change},
+                     "launches": [launches for launches, _ in counts], "bytes": [nbytes for _, nbytes in counts],
                      "itl_p50_ms": itl if change == "ENABLE_CUSTOM_IPC=1" else None})
     return rows
 
@@ -250,6 +333,7 @@ def main() -> int:
         "section1": sections["1"], "section3": sections["3"],
         "moe_change": {"measured_ratio": MEASURED_RATIO, "predicted_ratio": ratio, "error": ratio_error},
         "section4": section4,
+        "section4_decomposed": _decomposed(section4),
         "context": [{"context": c, "measured_tok_s": rate,
                      "predicted_tok_s": 1 / decode.seconds(c) if decode else None,
                      "counted_tok_s": 1 / deep_cost.decode_at(c),
@@ -310,6 +394,22 @@ def main() -> int:
             print(f"  {'':38s} ITL P50 ms: measured {ITL_IPC[0]:.1f} -> {ITL_IPC[1]:.1f} / predicted "
                   f"{row['itl_p50_ms'][0]:.1f} -> {row['itl_p50_ms'][1]:.1f}")
     print("  not expressible as a variant: the router's top-k on the logits (the adapter's own code before 2f7d5f5)")
+    print("\nsection 4, what the changed operations' own device timings account for (the measured step before less "
+          "their calls a decode step, as counted, times the saving per call section 4 timed): the bound any "
+          "device-only model meets")
+    for row in section4:
+        bound = row["device_timed"]
+        calls = ", ".join(f"{n:g} {what}" for what, n in bound["counted"].items())
+        print(f"  {row['change']:38s} {row['workload']:5s} saves {bound['saved_ms']:5.2f} ms a step ({calls}): "
+              f"{bound['change']:+.1%} against {row['measured_change']:+.1%} measured; {bound['change_error']:+.0%}")
+    split = result["section4_decomposed"]
+    print(f"\nsection 4, each kernel pair's saving as launches and bytes (the counted decode step's): decided by "
+          f"{' and '.join(split['decided_by'])}: {split['launch_us']:.2f} us a launch, "
+          + (f"{split['gbs']:.1f} GB/s" if split["gbs"] else "no positive rate") + "; predicted with them:")
+    for row in split["predicted"]:
+        print(f"  {row['change']:38s} {row['launches']:6.0f} launches, {row['bytes'] / 1e6:7.1f} MB fewer: saves "
+              f"{row['saved_ms']:5.2f} ms a step against {row['measured_saved_ms']:5.2f} measured; "
+              f"{row['predicted_change']:+.1%} change, {row['change_error']:+.0%}")
     print("\ndecode against context: measured / the calibration's decode_context line / counted tok/s (the count's "
           "error)")
     for row in result["context"]:
