@@ -11,7 +11,6 @@ file the question never read (a fast path a function imports when it runs, a cha
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 from toolkit.errors import ToolkitError
 from toolkit.inputs import remember
 from toolkit.pyenv import build_key
+from toolkit.transforms.files import sha256
 
 QUESTION = '''\
 import json
@@ -56,22 +56,18 @@ else:
 RECORDS_KEPT = 16  # answers remembered per question (runtime, architectures, environment): the newest
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _names(folder: Path) -> str | None:
     """A folder's names, but its __pycache__: a run writes one into the tree it imports from, and the next rehearsal's
     fresh copy has none yet (no import finds a module there)."""
     try:
-        return _digest("\0".join(sorted(n for n in os.listdir(folder) if n != "__pycache__")).encode())
+        return sha256("\0".join(sorted(n for n in os.listdir(folder) if n != "__pycache__")).encode())
     except OSError:
         return None
 
 
 def _file(path: Path) -> str | None:
     try:
-        return _digest(path.read_bytes())
+        return sha256(path.read_bytes())
     except OSError:
         return None
 
@@ -156,7 +152,7 @@ class Question:
             return answer == "True"
         record = {"multimodal": answer == "True", "files": files, "folders": folders}
         text = json.dumps(record, indent=1)
-        remember(folder / f"{_digest(text.encode())[:16]}.json", text)
+        remember(folder / f"{sha256(text.encode())[:16]}.json", text)
         for old in _newest_first(folder)[RECORDS_KEPT:]:
             old.unlink(missing_ok=True)  # records this cache wrote; the oldest go
         return answer == "True"
